@@ -406,3 +406,15 @@ async def test_a_stream_held_open_after_its_end_marker_is_a_whole_reply():
         timing = await measure_reply(url, timeout_s=5)
     assert timing.complete and timing.error is None and timing.text == "hi"
     assert timing.closed_ms < 4000
+
+
+async def test_a_url_written_with_spaces_and_letters_past_ascii_is_sent_percent_encoded():
+    # Such a URL raised h11's "Illegal target characters" (or UnicodeEncodeError) out of
+    # measure_reply; it goes percent-encoded, as browsers send it, and an encoded one as is.
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n"
+    answer = head + b'{"text":"hi"}'
+    heads: list[bytes] = []
+    async with raw_server(lambda n: (answer, False), heads) as (url, _):
+        timing = await measure_reply(f"{url}/a b/ü?q=ä ö&x=%41")
+    assert timing.complete, timing.error
+    assert heads[0].startswith(b"GET /a%20b/%C3%BC?q=%C3%A4%20%C3%B6&x=%41 HTTP/1.1\r\n")

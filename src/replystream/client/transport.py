@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import h11
 
@@ -362,6 +362,10 @@ async def connect(url: str, tls: ssl.SSLContext | None = None) -> Connection:
     return Connection(url, transport, protocol)
 
 
+# The characters a path keeps as they are, besides letters, digits and "-._~" (RFC 3986
+# section 3.3: sub-delims, ":", "@", and "%" of what is encoded already).
+_IN_PATH = "/%:@!$&'()*+,;="
+
 # Request headers: a mapping, or pairs, which may name a header more than once.
 Headers = Mapping[str, str] | Sequence[tuple[str, str]]
 
@@ -414,7 +418,11 @@ async def http_request(
             # closes one that stays idle (nginx after 60 s without a request).
             raise TransportError("the connection was closed before the request was sent")
         parts = urlsplit(url)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        # A URL as a person writes it (a space, a letter past ASCII) goes percent-encoded, as
+        # browsers and other clients send it; what is encoded already is sent as it is.
+        target = quote(parts.path or "/", safe=_IN_PATH)
+        if parts.query:
+            target += "?" + quote(parts.query, safe=_IN_PATH + "?")
         fields = [("Host", conn.netloc), ("Connection", "close")]
         fields += _pairs(headers)
         if body:
