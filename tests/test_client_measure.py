@@ -358,6 +358,38 @@ async def test_an_answer_with_no_http_head_is_said_for_what_it_is(answer: bytes,
     assert timing.error == f"read failed: {said}" and timing.status is None
 
 
+@pytest.mark.parametrize(
+    ("header", "said"),
+    [
+        (70_000, None),  # a long Content-Security-Policy, many cookies: a browser takes it
+        (300_000, "the answer's head is longer than 262144 bytes, the most read"),
+    ],
+)
+async def test_a_long_response_head_is_read_up_to_a_browsers_bound(header: int, said: str | None):
+    # Its head coming in reads of 4 KiB, a head past h11's own 16 KiB was "not an HTTP/1.1
+    # response"; up to 256 KiB is read, and a longer one is said to be that.
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Long: %s\r\n" % (b"a" * header)
+    answer = head + b'Content-Length: 13\r\n\r\n{"text":"hi"}'
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        try:
+            for start in range(0, len(answer), 4096):
+                writer.write(answer[start : start + 4096])
+                await writer.drain()
+                await asyncio.sleep(0)  # a read of its own for each piece
+        except ConnectionError:
+            pass  # the client hung up on a head too long
+        writer.close()
+
+    server = await asyncio.start_server(trickle, "127.0.0.1", 0)
+    timing = await measure_reply(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/")
+    server.close()
+    await server.wait_closed()
+    assert timing.error == (None if said is None else f"read failed: {said}")
+    assert timing.complete == (said is None)
+
+
 async def test_a_connection_given_for_a_second_request_is_refused_in_our_words():
     # A Connection carries one request (it asks the server to close after the answer): a
     # second is a ValueError naming the misuse, not h11's "can't handle event type Request".

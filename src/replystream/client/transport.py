@@ -75,13 +75,19 @@ class Chunk:
 
 # How much of an answer that is no HTTP response its error quotes.
 _QUOTED = 32
+# The longest response head (or chunk line, or trailer section) read, as a browser's bound
+# (Chromium's is 256 KiB): h11's own, 16 KiB, refuses heads that servers send and browsers
+# take (a long Content-Security-Policy, many cookies).
+MAX_HEAD_BYTES = 256 * 1024
 
 
-def _no_head(start: bytes, *, closed: bool) -> str:
-    """Why no response head came: nothing at all, a head cut short, or bytes that are none
-    (a TLS record, first byte 0x15 or 0x16, from a server that speaks https)."""
+def _no_head(start: bytes, *, closed: bool, received: int) -> str:
+    """Why no response head came: nothing at all, a head cut short or too long, or bytes that
+    are none (a TLS record, first byte 0x15 or 0x16, from a server that speaks https)."""
     if not start:
         return "the server closed the connection before answering"
+    if received > MAX_HEAD_BYTES and start.startswith(b"HTTP/"):
+        return f"the answer's head is longer than {MAX_HEAD_BYTES} bytes, the most read"
     if closed and start.startswith(b"HTTP/"):
         return f"the server closed the connection within its answer's head, begun {start!r}"
     tls = " (a TLS record: the server speaks https)" if start[:1] in (b"\x15", b"\x16") else ""
@@ -90,13 +96,14 @@ def _no_head(start: bytes, *, closed: bool) -> str:
 
 class _ResponseProtocol(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.conn = h11.Connection(h11.CLIENT)
+        self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.transport: asyncio.Transport | None = None
         # Made once a request is written (``response_head``): an unused connection that
         # closes or fails leaves no future whose exception nobody reads.
         self._head: asyncio.Future[h11.Response] | None = None
         self._head_event: h11.Response | None = None
         self._before_head = b""  # the answer's first bytes while its head is incomplete
+        self._received = 0  # bytes received, counted while the head is incomplete
         self.head_at = 0.0
         self.chunks: deque[Chunk] = deque()
         self._held = 0  # bytes in ``chunks``
@@ -122,8 +129,10 @@ class _ResponseProtocol(asyncio.Protocol):
             self._fail(TransportError(f"connection lost before the response ended: {exc}"))
 
     def _receive(self, data: bytes, at: float) -> None:
-        if self._head_event is None and len(self._before_head) < _QUOTED:
-            self._before_head += data[: _QUOTED - len(self._before_head)]
+        if self._head_event is None:
+            self._received += len(data)
+            if len(self._before_head) < _QUOTED:
+                self._before_head += data[: _QUOTED - len(self._before_head)]
         try:
             self.conn.receive_data(data)
             while True:
@@ -150,7 +159,8 @@ class _ResponseProtocol(asyncio.Protocol):
             # h11 words a failure before the head as its own state's ("illegal request line"
             # for bytes that are no status line): said here in terms of the answer.
             if self._head_event is None:
-                self._fail(TransportError(_no_head(self._before_head, closed=not data)))
+                said = _no_head(self._before_head, closed=not data, received=self._received)
+                self._fail(TransportError(said))
             else:
                 self._fail(TransportError(f"response broke HTTP/1.1 framing: {exc}"))
             return
