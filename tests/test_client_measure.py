@@ -450,3 +450,15 @@ async def test_a_url_written_with_spaces_and_letters_past_ascii_is_sent_percent_
         timing = await measure_reply(f"{url}/a b/ü?q=ä ö&x=%41")
     assert timing.complete, timing.error
     assert heads[0].startswith(b"GET /a%20b/%C3%BC?q=%C3%A4%20%C3%B6&x=%41 HTTP/1.1\r\n")
+
+
+async def test_a_host_header_given_replaces_the_clients_own():
+    # A name served at another address (a virtual host behind a load balancer): it was sent
+    # beside the client's own Host, two Host headers, which servers refuse.
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n"
+    heads: list[bytes] = []
+    async with raw_server(lambda n: (head + b'{"text":"hi"}', False), heads) as (url, _):
+        timing = await measure_reply(url, headers={"host": "replies.example"})
+    assert timing.complete
+    hosts = [line for line in heads[0].split(b"\r\n") if line.lower().startswith(b"host:")]
+    assert hosts == [b"host: replies.example"]

@@ -278,6 +278,29 @@ async def test_an_id_of_thousands_of_digits_is_an_id_like_any():
     assert events == ["one", "two", "{}"] and last_event_id(heads[1]) == big
 
 
+async def test_headers_given_in_any_spelling_replace_the_readers_own_and_are_sent_once():
+    # ``content-type`` beside the reader's ``Content-Type`` went twice, and the server refused
+    # the request (400 malformed_request); a resume's Last-Event-ID is the reader's own.
+    given = {
+        "content-type": "application/json; charset=utf-8",
+        "accept": "text/event-stream",
+        "last-event-id": "99",
+    }
+    body = {"prompt": "hi", "max_tokens": 3}
+    async with running(create_app(fast_engine(delay_ms=1))) as url:
+        reader = ResumingReader(f"{url}/v1/replies", json_body=body, headers=given, backoff=FAST)
+        assert (await read_all(reader))[-1] == "done"
+    script = [HEAD + b"id: 1\ndata: {}\n\n", HEAD + b"event: done\ndata: {}\n\n"]
+    heads: list[bytes] = []
+    async with raw_server(lambda n: (script[n], False), heads) as (url, _):
+        await read_all(ResumingReader(url, json_body=body, headers=given, backoff=FAST))
+    for head in heads:
+        names = [line.partition(b":")[0].lower() for line in head.split(b"\r\n")[1:] if line]
+        assert len(names) == len(set(names)), head
+    assert b"content-type: application/json; charset=utf-8\r\n" in heads[0]
+    assert last_event_id(heads[1]) == b"1"
+
+
 ROUTES = ["/v1/replies", "/stream", "/v1/chat/completions", "/v1/completions", "/v1/responses"]
 
 

@@ -45,6 +45,7 @@ from replystream.client.transport import (
     HTTPResponse,
     TransportError,
     http_request,
+    with_headers,
 )
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 
@@ -197,20 +198,27 @@ class ResumingReader:
             self.reconnects += 1
 
     async def _one_connection(self) -> AsyncIterator[Event]:
-        headers = {"Accept": "text/event-stream", **self.headers}
+        ours = {"Accept": "text/event-stream"}
+        given = self.headers
+        resumed_from: list[tuple[str, str]] = []
         resumed_after: str | None = None  # the last event ID string this connection resumes
         if self.reply_id is None:
             url, method = self.url, self.method
             body = b"" if self.json_body is None else json.dumps(self.json_body).encode()
             if body:
-                headers["Content-Type"] = "application/json"
+                ours["Content-Type"] = "application/json"
         else:
             url, method, body = resume_url(self.url, self.reply_id), "GET", b""
             resumed_after = self.last_event_id
+            # Where a resume starts is the reader's to say, whatever the caller's headers.
+            given = {k: v for k, v in given.items() if k.lower() != "last-event-id"}
             # No header while no id was read, as an EventSource sends none. An id's spaces
             # at either end are none of a header's value (a server reads it without them).
             if sent := resumed_after.strip(" \t"):
-                headers["Last-Event-ID"] = sent
+                resumed_from = [("Last-Event-ID", sent)]
+        # A header of the caller's replaces one of ours in any spelling (``content-type``
+        # beside our ``Content-Type`` was sent twice, which a server may refuse).
+        headers = with_headers(ours, given) + resumed_from
         async with contextlib.AsyncExitStack() as stack:
             try:
                 async with asyncio.timeout(self.idle_timeout_s):

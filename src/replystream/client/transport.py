@@ -433,8 +433,9 @@ async def http_request(
         target = quote(parts.path or "/", safe=_IN_PATH)
         if parts.query:
             target += "?" + quote(parts.query, safe=_IN_PATH + "?")
-        fields = [("Host", conn.netloc), ("Connection", "close")]
-        fields += _pairs(headers)
+        # A Host of the caller's replaces ours (a name served at another address).
+        fields = with_headers([("Host", conn.netloc)], headers)
+        fields.insert(1, ("Connection", "close"))
         if body:
             fields.append(("Content-Length", str(len(body))))
         h11_conn = conn.protocol.conn
