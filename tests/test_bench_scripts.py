@@ -105,13 +105,33 @@ def test_the_relay_benchmark_refuses_a_run_it_cannot_make_before_it_starts(
         (["--replies", "0"], "--replies must be more than --slow"),
         (["--concurrency", "0"], "--concurrency"),
         (["--asks", "0"], "--asks"),
+        # Every short simulated text is a prefix of the slow readers' reply: no word is left
+        # to ban.
+        (["--asks", "4", "--replies", "10"], "--asks 4: every word of the reference texts"),
     ],
 )
 def test_the_soak_refuses_a_run_it_cannot_make_before_it_starts(
     args: list[str], words: str
 ) -> None:
-    # Before: no replies or no workers waited forever, no asks was a traceback.
+    # Before: no replies or no workers waited forever, no asks was a traceback, and so was
+    # a choice of asks with no word to ban (after the references were read).
     refused(run_script("soak/run.py", "--engine", "simulated", *args, timeout_s=30), words)
+
+
+@pytest.mark.slow
+def test_the_soak_passes_on_a_healthy_server_at_a_small_size_with_slow_readers() -> None:
+    # Before, the middle snapshot was taken once half the replies had ended: at a small size
+    # the mixed replies all ended within the first slow reader's burst and the later bursts,
+    # after the middle, raised RSS past the 8 MiB allowed (+13.6 MiB). And the descriptors
+    # counted a snapshot's own connection at the end now and then (15 against 14).
+    done = run_script(
+        "soak/run.py",
+        *("--replies", "60", "--concurrency", "4", "--engine", "simulated"),
+        *("--asks", "8", "--slow", "3"),
+        timeout_s=110,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "after a second half of 28 replies and 1 slow readers" in done.stdout
 
 
 @pytest.mark.parametrize(

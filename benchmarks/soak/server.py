@@ -6,6 +6,7 @@ logs and replies by outcome from the server's own ``/metrics`` gauges and counte
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -25,6 +26,7 @@ GAUGES = {
     "local_logs": 'replystream_reply_logs{store="local"}',
     "resumable_logs": 'replystream_reply_logs{store="resumable"}',
 }
+FD_POLL_S = 0.05
 _OUTCOME = re.compile(
     r'^replystream_replies_total\{endpoint="([^"]*)",outcome="([^"]*)"\} (\S+)$', re.MULTILINE
 )
@@ -35,6 +37,7 @@ class Snapshot:
     """What the server holds at one moment."""
 
     rss_kib: int
+    peak_rss_kib: int  # the most RSS the server has had so far
     fds: int
     gauges: dict[str, float]
 
@@ -49,15 +52,28 @@ class Snapshot:
         )
 
 
-def rss_kib(pid: int) -> int:
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory now (``VmRSS``), or its peak since the process started (``VmHWM``)."""
     status = Path(f"/proc/{pid}/status").read_text()
-    found = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
+    found = re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE)
     assert found
     return int(found.group(1))
 
 
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def lasting_fds(pid: int, within_s: float = 0.5) -> int:
+    """The descriptors a quiet server holds for good: the fewest seen over ``within_s``. A
+    connection its client has just closed (a scrape of ``/metrics``, the request before it)
+    is still open for a moment, until the server reads the close: counted once, at the
+    baseline or at the end at random, it failed the check on a healthy server."""
+    fewest = open_fds(pid)
+    for _ in range(int(within_s / FD_POLL_S)):
+        await asyncio.sleep(FD_POLL_S)
+        fewest = min(fewest, open_fds(pid))
+    return fewest
 
 
 def holds_connection(pid: int, peer_port: int) -> bool:
@@ -103,8 +119,9 @@ def outcomes(text: str) -> dict[str, int]:
     return counts
 
 
-async def snapshot(server: LocalServer) -> Snapshot:
-    """Memory and descriptors from /proc, the rest from the server's gauges.
+async def snapshot(server: LocalServer, *, quiet: bool = False) -> Snapshot:
+    """Memory and descriptors from /proc, the rest from the server's gauges. ``quiet``: the
+    server is idle, and its descriptors are those it keeps (``lasting_fds``).
 
     Raises:
         RuntimeError: the server does not expose the state gauges.
@@ -118,4 +135,6 @@ async def snapshot(server: LocalServer) -> Snapshot:
     missing = {"tasks", "readers", "in_flight", "engine_requests", "local_logs"} - set(gauges)
     if missing:
         raise RuntimeError(f"the server exposes no {sorted(missing)} gauges (/metrics)")
-    return Snapshot(rss_kib(server.pid), open_fds(server.pid), gauges)
+    pid = server.pid
+    fds = await lasting_fds(pid) if quiet else open_fds(pid)
+    return Snapshot(rss_kib(pid), rss_kib(pid, "VmHWM"), fds, gauges)
