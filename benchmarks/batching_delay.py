@@ -20,6 +20,7 @@ from replystream.client.transport import http_request
 from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.lab.local_server import local_server
 from replystream.sse import EventParser
+from tool_main import tool_main
 
 
 async def token_arrivals(url: str, body: dict[str, object]) -> list[float]:
@@ -98,4 +99,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    tool_main(lambda: asyncio.run(main()))

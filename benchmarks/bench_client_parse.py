@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import signal
 import statistics
 import time
 from urllib.parse import parse_qs, urlsplit
@@ -30,6 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 from replystream.cli_values import positive_int
 from replystream.client import measure_reply
 from replystream.sse import encode_data
+from tool_main import tool_main
 
 PACE_S = 0.005
 _FINAL = b"data: [DONE]\n\n"
@@ -68,6 +70,9 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 
 
 def _serve(port_out: multiprocessing.SimpleQueue[int]) -> None:
+    # A terminal's Ctrl-C reaches this process too: the measuring one stops it (SIGTERM).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     async def main() -> None:
         server = await asyncio.start_server(_handle, "127.0.0.1", 0, backlog=1024)
         port_out.put(server.sockets[0].getsockname()[1])
@@ -140,4 +145,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

@@ -50,6 +50,7 @@ from replystream.cli_values import non_negative_float, positive_int
 from replystream.lab.local_server import READY as SERVE_READY
 from replystream.lab.local_server import announced_process
 from source_trees import source_trees
+from tool_main import tool_main
 
 HERE = Path(__file__).resolve().parent
 UPSTREAM = HERE / "relay" / "upstream_server.py"
@@ -269,9 +270,13 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-if __name__ == "__main__":
+def cli() -> None:
     arguments = parse_args()
     if arguments.bare_server:
         serve_bare()
     else:
         asyncio.run(main(arguments))
+
+
+if __name__ == "__main__":
+    tool_main(cli)

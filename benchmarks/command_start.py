@@ -30,6 +30,7 @@ if __package__ in (None, ""):  # run as a script: the delivery benchmark's /proc
 from procstats import cpu_seconds, memory_kib
 
 from source_trees import source_trees
+from tool_main import tool_main
 
 SIMULATED = ["--engine", "simulated", "--delay-ms", "1", "--jitter-ms", "0"]
 # Each mistake: a case name, and the command line after ``python -m replystream``.
@@ -152,4 +153,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

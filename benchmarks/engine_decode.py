@@ -27,6 +27,7 @@ from replystream.engine.kv_cache import PagedKVCache
 from replystream.engine.model import Chunk, TinyModel
 from replystream.engine.tiny import ASSETS, load_default_engine
 from replystream.engine.tokenizer import ByteTokenizer
+from tool_main import tool_main
 
 PROMPT = (
     "And it came to pass, when the king heard the words of the book of the law, that he rent "
@@ -196,4 +197,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    tool_main(main)

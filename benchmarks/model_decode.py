@@ -44,6 +44,7 @@ from replystream.engine.gguf_engine import GGUF_ENGINE_DEFAULTS, load_gguf_model
 from replystream.engine.kv_cache import PagedKVCache
 from replystream.engine.model import Chunk, TinyModel
 from replystream.engine.smollm2_weights import SMOLLM2_INSTALL, smollm2_path
+from tool_main import tool_main
 
 PREFIX = 64  # prompt tokens per sequence before decode is timed
 
@@ -342,4 +343,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

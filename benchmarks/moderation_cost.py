@@ -21,6 +21,7 @@ import string
 import time
 
 from replystream.delivery.moderation import BannedPhrases, HoldBack, secret_check
+from tool_main import tool_main
 
 PHRASES = [
     "forbidden phrase",
@@ -100,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

@@ -17,6 +17,7 @@ from functools import partial
 
 from replystream.cli_values import positive_int
 from replystream.sse import EventParser, encode_data
+from tool_main import tool_main
 
 
 def token_stream(n_events: int) -> bytes:
@@ -69,4 +70,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

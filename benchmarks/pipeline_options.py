@@ -25,6 +25,7 @@ from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.responses_format import ResponsesStreamFormat
 from replystream.delivery.responses_objects import ResponseSettings
 from replystream.engine.base import Delta, TokenLogprob, TopLogprob
+from tool_main import tool_main
 
 WORDS = "the quick brown fox jumps over the lazy dog and keeps running ".split()
 
@@ -117,4 +118,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

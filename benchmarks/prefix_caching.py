@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -24,6 +23,7 @@ from replystream.cli_values import non_negative_int, positive_int
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.lab.lab_engines import LabEngine, load_lab_engine
 from replystream.server.tool_requests import prompt_of
+from tool_main import tool_main
 
 WORDS = (
     "the scribe keeps every word of the law and answers each question plainly and briefly "
@@ -113,4 +113,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    tool_main(main)

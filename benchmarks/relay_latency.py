@@ -25,6 +25,7 @@ from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.lab.local_server import local_server
 from replystream.sse import EventParser
 from replystream.stats import percentile
+from tool_main import tool_main
 
 
 async def content_arrivals(url: str, seed: int) -> list[float]:
@@ -81,10 +82,14 @@ async def main(rounds: int, tokens: int, delay_ms: float) -> None:
     )
 
 
-if __name__ == "__main__":
+def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=positive_int, default=20)
     parser.add_argument("--tokens", type=int_between(1, MAX_TOKENS_LIMIT), default=60)
     parser.add_argument("--delay-ms", type=schedule_ms, default=20.0)
     args = parser.parse_args()
     asyncio.run(main(args.rounds, args.tokens, args.delay_ms))
+
+
+if __name__ == "__main__":
+    tool_main(cli)

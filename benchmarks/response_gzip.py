@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: the relay benchmark's answers
 
 from relay.embeddings_answer import answer_of
 from replystream.server.response_gzip import LEVEL, gzipped
+from tool_main import tool_main
 
 
 def default_level(body: bytes) -> bytes:
@@ -87,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from replystream.cli_values import positive_float, positive_int
 from replystream.lab.local_server import serve_process
+from tool_main import tool_main
 
 
 def memory_kib(pid: int, field: str) -> int:
@@ -57,23 +58,25 @@ async def main() -> None:
         await asyncio.to_thread(slow_cuts, url)  # warm the server up
         baseline = memory_kib(server.pid, "VmRSS")
         sockets = []
-        for _ in range(args.clients):
-            sock = socket.socket()
-            # A small receive window (set before connecting), so the reader's kernel does not
-            # absorb the stream on the client's behalf.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect((host, int(port)))
-            sock.sendall(f"GET /stream HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-            sockets.append(sock)
-        started = time.monotonic()
-        while (cut := await asyncio.to_thread(slow_cuts, url)) < args.clients:
-            if time.monotonic() - started > 120:
-                break
-            await asyncio.sleep(0.5)
-        peak = memory_kib(server.pid, "VmHWM")
-        elapsed = time.monotonic() - started
-        for sock in sockets:
-            sock.close()
+        try:
+            for _ in range(args.clients):
+                sock = socket.socket()
+                sockets.append(sock)
+                # A small receive window (set before connecting), so the reader's kernel does
+                # not absorb the stream on the client's behalf.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.connect((host, int(port)))
+                sock.sendall(f"GET /stream HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            started = time.monotonic()
+            while (cut := await asyncio.to_thread(slow_cuts, url)) < args.clients:
+                if time.monotonic() - started > 120:
+                    break
+                await asyncio.sleep(0.5)
+            peak = memory_kib(server.pid, "VmHWM")
+            elapsed = time.monotonic() - started
+        finally:  # interrupted too: a server stopped with its streams open waits out its grace
+            for sock in sockets:
+                sock.close()
         while await asyncio.to_thread(metric, url, "replystream_active_streams"):  # noqa: ASYNC110
             await asyncio.sleep(0.2)
         after = memory_kib(server.pid, "VmRSS")
@@ -88,4 +91,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    tool_main(lambda: asyncio.run(main()))

@@ -46,6 +46,7 @@ from replystream.cli_values import float_between, int_between, positive_int
 from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.lab.local_server import READY, announced_process
 from source_trees import source_trees
+from tool_main import tool_main
 
 
 @dataclass
@@ -263,4 +264,4 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse_args()))
+    tool_main(lambda: asyncio.run(main(parse_args())))

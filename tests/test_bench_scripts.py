@@ -3,12 +3,18 @@ parameters that still go through their code, and their mistakes refused in one l
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from tests.services import require_binary
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -163,3 +169,103 @@ def test_a_benchmark_refuses_a_count_or_duration_it_cannot_run_with(
     script: str, args: list[str], words: str
 ) -> None:
     refused(run_script(script, *args, timeout_s=30), words)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every living process below ``pid`` (by parent pid, from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if fields[0] != "Z":
+                    parents[int(entry.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on."""
+    with contextlib.suppress(OSError):
+        links = {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+        ports = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and f"socket:[{fields[9]}]" in links:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+        return ports
+    return set()
+
+
+def alive(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+def accepts(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to_group", [False, True], ids=["kill", "terminal"])
+@pytest.mark.parametrize(
+    ("script", "args", "servers", "programs"),
+    [
+        # replystream serve, started through the lab's local server
+        ("batching_delay.py", ["--repeats", "100"], 1, ()),
+        # Redis, nginx, two replicas, then the load client in its own process
+        (
+            "delivery/run.py",
+            ["--servers", "replystream-redis-2", "--concurrency", "20", "--timeout-s", "600"],
+            4,
+            ("redis-server", "nginx"),
+        ),
+    ],
+)
+def test_ctrl_c_ends_a_benchmark_in_one_line_with_the_servers_it_started(
+    script: str, args: list[str], servers: int, programs: tuple[str, ...], to_group: bool
+) -> None:
+    # Before, Ctrl-C printed a KeyboardInterrupt traceback (two, chained, under asyncio.run)
+    # and the script died by SIGINT; from a terminal, which sends it to the whole foreground
+    # process group, each server it had started logged its own stop as well.
+    for program in programs:
+        require_binary(program)
+    process = subprocess.Popen(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal gives a command
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            started = {pid: listening_ports(pid) for pid in descendants(process.pid)}
+            ports = {port for found in started.values() for port in found}
+            if sum(1 for found in started.values() if found) >= servers:
+                break
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, f"{servers} servers not listening: {started}"
+            time.sleep(0.1)
+        time.sleep(1.0)  # into the measuring
+        if to_group:
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 130, stderr
+    assert stderr.splitlines() == [f"{Path(script).name}: interrupted"], stderr
+    assert not [pid for pid in started if alive(pid)], started
+    assert not [port for port in ports if accepts(port)], ports

@@ -16,14 +16,20 @@ import asyncio
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import aiohttp
 from procstats import cpu_seconds, process_tree
 
 from replystream.cli_values import int_between, positive_int
 from replystream.engine.base import MAX_TOKENS_LIMIT
-from replystream.lab.local_server import READY_PREFIX, stop_process
+from replystream.lab.local_server import serve_process
 from replystream.sse import EventParser
+
+# The benchmarks' shared modules (tool_main), beside this folder's own.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+from tool_main import tool_main
 
 ROUTES = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
 
@@ -89,35 +95,16 @@ async def main() -> None:
     )
     parser.add_argument("--rounds", type=positive_int, default=3)
     args = parser.parse_args()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "replystream",
-        "serve",
-        "--port",
-        "0",
-        "--engine",
-        "simulated",
-        "--delay-ms",
-        "5",
-        "--jitter-ms",
-        "0",
-        stdout=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    line = (await process.stdout.readline()).decode()
-    url = line[len(READY_PREFIX) :].strip()
-    try:
+    server_args = ["--engine", "simulated", "--delay-ms", "5", "--jitter-ms", "0"]
+    async with serve_process(server_args) as server:
         runs: dict[str, list[tuple[float, float]]] = {route: [] for route in ROUTES}
         for route in ROUTES:  # warm-up
-            await one_round(url, process.pid, route, 20, 5)
+            await one_round(server.url, server.pid, route, 20, 5)
         for _ in range(args.rounds):
             for route in ROUTES:
                 runs[route].append(
-                    await one_round(url, process.pid, route, args.streams, args.tokens)
+                    await one_round(server.url, server.pid, route, args.streams, args.tokens)
                 )
-    finally:
-        await stop_process(process)
     medians = {
         route: (statistics.median(c for c, _ in rounds), statistics.median(b for _, b in rounds))
         for route, rounds in runs.items()
@@ -142,4 +129,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    tool_main(lambda: asyncio.run(main()))

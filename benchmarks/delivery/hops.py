@@ -36,6 +36,11 @@ import replystream
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.server import create_app, running
 
+# The benchmarks' shared modules (tool_main), beside this folder's own.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+from tool_main import tool_main
+
 PACKAGE = str(Path(replystream.__file__).resolve().parent) + "/"
 WRITE = "<socket write>"
 
@@ -183,4 +188,4 @@ def _runs(window: list[Call]) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

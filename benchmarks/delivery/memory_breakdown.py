@@ -25,6 +25,7 @@ import sys
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from procstats import memory_kib, raise_nofile
@@ -32,6 +33,11 @@ from run import WARMUP_STREAMS, WARMUP_TOKENS, run_client
 from workload import stream_seeds
 
 from replystream.cli_values import int_between, non_negative_float, positive_int
+
+# The benchmarks' shared modules (tool_main), beside this folder's own.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+from tool_main import tool_main
 
 OURS = "/replystream/"
 
@@ -194,4 +200,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

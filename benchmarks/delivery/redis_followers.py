@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 from tier import started_redis
 
 from replystream.cli_values import positive_int
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo, StoreUnavailable
+
+# The benchmarks' shared modules (tool_main), beside this folder's own.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+from tool_main import tool_main
 
 
 async def follow(reader: RedisReplayStore, reply_id: str, delay_s: float) -> list[str]:
@@ -95,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

@@ -16,13 +16,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from tier import started_redis
 
 from replystream.cli_values import positive_int
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
+
+# The benchmarks' shared modules (tool_main), beside this folder's own.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+from tool_main import tool_main
 
 DATA = '{"text": "word ", "tokens": 1}'
 
@@ -64,4 +71,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

@@ -61,6 +61,12 @@ from tier import find_binary
 from workload import TOKENS, schedule, stream_seeds
 
 from replystream.engine import GenerationRequest, SamplingParams, SimulatedConfig, SimulatedEngine
+from replystream.lab.local_server import owned_child, stop_process
+
+# The benchmarks' shared modules (tool_main), beside this folder's own.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+from tool_main import tool_main
 
 WARMUP_STREAMS = 20
 WARMUP_TOKENS = 5
@@ -100,8 +106,12 @@ async def run_client(
         str(HERE / "loadclient.py"),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
+        **owned_child(),
     )
-    out, _ = await process.communicate(json.dumps(config).encode())
+    try:
+        out, _ = await process.communicate(json.dumps(config).encode())
+    finally:  # interrupted: the client is stopped with the run
+        await stop_process(process)
     if process.returncode != 0:
         raise RuntimeError(f"load client failed with status {process.returncode}")
     return json.loads(out)
@@ -425,4 +435,4 @@ async def main() -> int:
 
 if __name__ == "__main__":
     write_bytecode()
-    sys.exit(asyncio.run(main()))
+    tool_main(lambda: asyncio.run(main()))

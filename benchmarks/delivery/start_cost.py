@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
+from pathlib import Path
 
 from procstats import cpu_split, process_tree, raise_nofile
 from run import run_client
@@ -22,6 +24,11 @@ from servers import SERVER_NAMES, started_server
 from workload import stream_seeds
 
 from replystream.cli_values import positive_int
+
+# The benchmarks' shared modules (tool_main), beside this folder's own.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+from tool_main import tool_main
 
 
 async def one_burst(name: str, requests: int) -> tuple[float, float, float]:
@@ -66,4 +73,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    tool_main(lambda: asyncio.run(main()))

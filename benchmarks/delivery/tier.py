@@ -21,7 +21,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from replystream.lab.local_server import stop_process
+from replystream.lab.local_server import owned_child, stop_process
 
 READY_TIMEOUT_S = 15.0
 
@@ -96,7 +96,10 @@ async def started_redis() -> AsyncIterator[RedisProcess]:
         command += ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir]
         command += ["--maxclients", "10000"]
         process = await asyncio.create_subprocess_exec(
-            *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+            *command,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            **owned_child(),
         )
         try:
             await _wait_listening(port, process, "redis-server")
@@ -163,7 +166,11 @@ async def started_nginx(upstreams: Sequence[str], nofile: int) -> AsyncIterator[
         )
         command = [binary("nginx"), "-p", workdir, "-c", str(conf)]
         process = await asyncio.create_subprocess_exec(
-            *command, "-e", str(tmp / "error.log"), stderr=asyncio.subprocess.DEVNULL
+            *command,
+            "-e",
+            str(tmp / "error.log"),
+            stderr=asyncio.subprocess.DEVNULL,
+            **owned_child(),
         )
         try:
             await _wait_listening(port, process, "nginx")

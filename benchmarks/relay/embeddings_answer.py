@@ -50,7 +50,9 @@ from replystream.engine.base import Embeddings
 from replystream.engine.embeddings_answer import checked_answer
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
+from replystream.lab.local_server import owned_child
 from replystream.server import create_app, running
+from tool_main import tool_main
 
 Reader = Callable[[bytes], Awaitable[object]]
 
@@ -175,7 +177,9 @@ async def through_relay(args: argparse.Namespace) -> None:
     for inputs in args.inputs:
         port = free_port()
         serve = [sys.executable, __file__, "--serve-answer", str(port), str(inputs)]
-        upstream = await asyncio.create_subprocess_exec(*serve, "--dims", str(args.dims))
+        upstream = await asyncio.create_subprocess_exec(
+            *serve, "--dims", str(args.dims), **owned_child()
+        )
         try:
             await wait_http(f"http://127.0.0.1:{port}/v1/models", 60.0, upstream)
             engine = UpstreamEngine(
@@ -195,6 +199,7 @@ async def through_relay(args: argparse.Namespace) -> None:
                             str(inputs),
                             args.accept_encoding,
                             stdout=asyncio.subprocess.PIPE,
+                            **owned_child(),
                         )
                         answered = asyncio.ensure_future(client.communicate())
                         held[name].append(await held_while(answered))
@@ -216,7 +221,7 @@ async def through_relay(args: argparse.Namespace) -> None:
             )
 
 
-if __name__ == "__main__":
+def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", type=positive_int, nargs="+", default=[256, 2048])
     parser.add_argument("--dims", type=positive_int, default=1536)
@@ -237,3 +242,7 @@ if __name__ == "__main__":
         run(through_relay(arguments))
     else:
         asyncio.run(main(arguments))
+
+
+if __name__ == "__main__":
+    tool_main(cli)

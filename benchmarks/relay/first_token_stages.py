@@ -47,6 +47,7 @@ from relay.stage_probe import STAGES
 from relay.upstream_server import CHUNKS, INTERVAL_MS
 from replystream.lab.local_server import READY, announced_process
 from replystream.stats import percentile
+from tool_main import tool_main
 
 PROBE = Path(__file__).resolve().parent / "stage_probe.py"
 STEPS = list(itertools.pairwise(STAGES))
@@ -160,7 +161,7 @@ async def main(args: argparse.Namespace) -> str:
     return head + "\n" + table(phases, first_ms)
 
 
-if __name__ == "__main__":
+def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-C", "--concurrency", type=int, default=100)
     parser.add_argument("--replies-per-slot", type=int, default=3)
@@ -184,3 +185,7 @@ if __name__ == "__main__":
     if arguments.pin_relay is not None and arguments.pin_relay not in os.sched_getaffinity(0):
         parser.error(f"--pin-relay: core {arguments.pin_relay} is not one this process may use")
     print(asyncio.run(main(arguments)))
+
+
+if __name__ == "__main__":
+    tool_main(cli)

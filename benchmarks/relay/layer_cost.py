@@ -37,6 +37,7 @@ from relay.relays import upstream_server
 from relay.upstream_server import MARKER
 from replystream.cli_values import positive_float, positive_int
 from replystream.lab.local_server import READY, announced_process
+from tool_main import tool_main
 
 PROBE = Path(__file__).resolve().parent / "layer_probe.py"
 CHUNKS = 20_000  # per reply: longer than any run (400 s), so that no reply ends or starts anew
@@ -111,17 +112,19 @@ async def one_run(
         port = int(relay.url.rsplit(":", 1)[1])
         chunks = [0]
         tasks = []
-        for _ in range(concurrency):  # the streams' chunks spread over one interval
-            tasks.append(asyncio.create_task(stream(port, chunks)))
-            await asyncio.sleep(INTERVAL_MS / 1000 / concurrency)
-        await asyncio.sleep(WARMUP_S)
-        marks = []
-        for wait in (0.0, seconds):
-            await asyncio.sleep(wait)
-            marks.append((chunks[0], cpu_seconds([relay.pid]), await sums(relay.pid, out)))
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            for _ in range(concurrency):  # the streams' chunks spread over one interval
+                tasks.append(asyncio.create_task(stream(port, chunks)))
+                await asyncio.sleep(INTERVAL_MS / 1000 / concurrency)
+            await asyncio.sleep(WARMUP_S)
+            marks = []
+            for wait in (0.0, seconds):
+                await asyncio.sleep(wait)
+                marks.append((chunks[0], cpu_seconds([relay.pid]), await sums(relay.pid, out)))
+        finally:  # interrupted too: a relay stopped with streams open waits out its grace
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.sleep(0.5)  # the relay sees its clients gone before it is stopped
     (chunks0, cpu0, at0), (chunks1, cpu1, at1) = marks
     relayed = chunks1 - chunks0
@@ -157,10 +160,14 @@ async def main(args: argparse.Namespace) -> None:
         print(f"  {SAYS[layer]:38} {own:6.1f} µs")
 
 
-if __name__ == "__main__":
+def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-C", "--concurrency", type=positive_int, default=100)
     parser.add_argument("--seconds", type=positive_float, default=8.0, help="measured per run")
     parser.add_argument("--rounds", type=positive_int, default=3, help="runs per layer")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop")
     asyncio.run(main(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    tool_main(cli)

@@ -41,6 +41,7 @@ from replystream.engine.upstream_http import HttpOrigin
 from replystream.engine.upstream_http_connection import BodyReceiver, Connection, Response
 from replystream.engine.upstream_stream import UpstreamStream
 from replystream.server.sse_transport import sse_event
+from tool_main import tool_main
 
 BODY = reply_messages(CHUNKS, include_usage=True)
 UPSTREAM = "http://upstream.invalid/v1"  # the recorded replies' upstream, as their errors name it
@@ -206,4 +207,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the ``relay`` package imp
 
 from replystream.lab.local_server import serve_process
 from replystream.server import running
+from tool_main import tool_main
 
 ROUTINGS = ("least", "prefix")
 SYSTEM = "You are a concise assistant. Answer in one short paragraph."
@@ -166,4 +167,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    tool_main(main)

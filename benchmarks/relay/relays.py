@@ -38,7 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relay.upstream_server import text_of
-from replystream.lab.local_server import announced_process, serve_process, stop_process
+from replystream.lab.local_server import (
+    announced_process,
+    owned_child,
+    serve_process,
+    stop_process,
+)
 
 HERE = Path(__file__).resolve().parent
 RELAYS = ("replystream", "litellm", "nginx", "pipe", "parse-pipe", "native")
@@ -184,7 +189,7 @@ async def spawned(
 ) -> AsyncIterator[asyncio.subprocess.Process]:
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(
-            *command, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env
+            *command, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env, **owned_child()
         )
     try:
         yield process

@@ -73,7 +73,9 @@ from relay.relays import (
     upstream_server,
 )
 from relay.upstream_server import CHUNKS, INTERVAL_MS
+from replystream.lab.local_server import owned_child, stop_process
 from replystream.stats import percentile
+from tool_main import tool_main
 
 CLIENT = Path(__file__).resolve().parent / "relay_client.py"
 QUIET_CORES = 0.05
@@ -96,8 +98,12 @@ async def run_client(config: dict[str, Any]) -> dict[str, Any]:
         str(CLIENT),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
+        **owned_child(),
     )
-    out, _ = await process.communicate(json.dumps(config).encode())
+    try:
+        out, _ = await process.communicate(json.dumps(config).encode())
+    finally:  # interrupted: the client is stopped with the run
+        await stop_process(process)
     if process.returncode != 0:
         raise RuntimeError(f"the load client failed with status {process.returncode}")
     result: dict[str, Any] = json.loads(out)
@@ -340,7 +346,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-if __name__ == "__main__":
+def cli() -> None:
     arguments = parse_args()
     write_bytecode()
     figures = asyncio.run(main(arguments))
@@ -351,3 +357,7 @@ if __name__ == "__main__":
     # In this process, once the servers are gone: it measures one core's own work.
     replies = 500 if arguments.quick else 2000
     print(parse_cost.report(parse_cost.measure(replies=replies, repeats=3)))
+
+
+if __name__ == "__main__":
+    tool_main(cli)

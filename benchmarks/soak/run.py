@@ -60,6 +60,7 @@ from soak.server import (
     rss_kib,
     snapshot,
 )
+from tool_main import tool_main
 
 # Share of each kind among the replies (the slow readers are counted apart, --slow).
 MIX: dict[Kind, int] = {
@@ -487,4 +488,4 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    tool_main(lambda: asyncio.run(main()))

@@ -7,6 +7,7 @@ be in production, so client-side parsing cannot delay the server's timers or the
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import ctypes
 import os
@@ -15,9 +16,11 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 READY_PREFIX = "replystream listening on "
 READY = re.compile(re.escape(READY_PREFIX) + r"(\S+)")
+PASS_ON_END_S = 2.0  # how long a stopped child's stderr may stay open after it has ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,17 +51,41 @@ def _ended_with_parent() -> Callable[[], None] | None:
     return in_child
 
 
+def owned_child() -> dict[str, Any]:
+    """Keyword arguments of ``subprocess.Popen`` (and ``create_subprocess_exec``, uvloop's
+    too) for a process a tool starts and stops itself. In a session of its own: a terminal's
+    Ctrl-C goes to its whole foreground process group, and a server that got it too would
+    stop on its own, logging as it does, while the tool stops it anyway. And ended with the
+    tool (Linux), should the tool end without stopping it."""
+    return {"start_new_session": True, "preexec_fn": _ended_with_parent()}
+
+
+async def _pass_on(stream: asyncio.StreamReader, quiet: asyncio.Event) -> None:
+    """Write what a child writes to its stderr to ours until ``quiet`` is set, then read the
+    rest to its end unwritten (a child must never block on a full pipe)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    while data := await stream.read(1 << 16):
+        if not quiet.is_set():
+            sys.stderr.write(decoder.decode(data))
+            sys.stderr.flush()
+
+
 @contextlib.asynccontextmanager
 async def announced_process(
     command: Sequence[str], ready: re.Pattern[str], *, name: str, ready_timeout_s: float = 30.0
 ) -> AsyncIterator[LocalServer]:
     """Run ``command``, wait for a stdout line matching ``ready`` (group 1: the URL); yield
     the URL and pid; stop it on exit. A child that exits before it is ready, or while in
-    use, is an error: measuring a dead server would report nonsense."""
+    use, is an error: measuring a dead server would report nonsense. What the child writes to
+    its stderr is written to ours, but for what it says while the tool, interrupted (Ctrl-C),
+    stops it: the replies it was still sending, its own stop, when the operator asked for the
+    tool to stop and is told so in one line."""
     process = await asyncio.create_subprocess_exec(
-        *command, stdout=asyncio.subprocess.PIPE, preexec_fn=_ended_with_parent()
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, **owned_child()
     )
-    assert process.stdout is not None
+    assert process.stdout is not None and process.stderr is not None
+    quiet = asyncio.Event()
+    passing = asyncio.create_task(_pass_on(process.stderr, quiet))
     try:
         try:
             async with asyncio.timeout(ready_timeout_s):
@@ -75,8 +102,15 @@ async def announced_process(
         yield LocalServer(found.group(1), process.pid)
         if process.returncode is not None:
             raise RuntimeError(f"{name} died while in use (status {process.returncode})")
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        quiet.set()
+        raise
     finally:
         await stop_process(process)
+        # To its end, so that a child's last words come before the tool's; the pipe may be
+        # held open a little longer by its own children (a server's workers).
+        await asyncio.wait({passing}, timeout=PASS_ON_END_S)
+        passing.cancel()
 
 
 @contextlib.asynccontextmanager
