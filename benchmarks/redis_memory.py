@@ -5,7 +5,7 @@ of data, with the event type a route logs) through ``RedisReplayStore`` exactly 
 does, and prints, per shape, Redis's own count (``INFO memory`` used_memory before and after,
 over N) and ``MEMORY USAGE`` of one reply's keys, beside the formula's prediction:
 
-    python -m benchmarks.redis_memory [--replies 300]
+    python benchmarks/redis_memory.py [--replies 300]
 
 The formula (bytes a reply holds in Redis for the TTL after its end):
     reply = FIXED + E * (D + T + PER_EVENT) + context
@@ -23,15 +23,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+# This folder's modules (and the delivery benchmark's), and the checkout's tests (their Redis
+# helpers), from wherever it runs.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "delivery"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from tests.redis_server import redis_server
+from tier import find_binary
 
 from replystream.cli_values import positive_int
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
+from tool_main import tool_main
 
 FIXED = 4_600
 PER_EVENT = 22
@@ -106,7 +115,17 @@ async def main(replies: int) -> None:
         await store.aclose()
 
 
-if __name__ == "__main__":
+def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--replies", type=positive_int, default=300)
-    asyncio.run(main(parser.parse_args().replies))
+    replies = parser.parse_args().replies
+    if find_binary("redis-server") is None:
+        parser.error(
+            "redis-server is not installed (Debian package redis-server), or not on PATH nor "
+            "in sbin"
+        )
+    asyncio.run(main(replies))
+
+
+if __name__ == "__main__":
+    tool_main(cli)

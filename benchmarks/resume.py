@@ -1,8 +1,9 @@
 """Resume costs: time from reconnect to the first replayed event, and the server CPU per event
 of logging replies to Redis instead of memory.
 
-Starts a redis-server (Debian's, on a free loopback port) and replicas of ``replystream serve``
-with the simulated engine. Everything is measured side by side in one run.
+Starts a redis-server (found on PATH or in sbin, on a free loopback port, as the delivery
+benchmark's) and replicas of ``replystream serve`` with the simulated engine. Everything is
+measured side by side in one run.
 
 Run: python benchmarks/resume.py [--repeats 20] [--replies 40] [--tokens 400]
 """
@@ -12,13 +13,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
-import socket
 import statistics
-import subprocess
-import tempfile
+import sys
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the delivery benchmark's Redis
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "delivery"))
+
+from tier import find_binary, started_redis
 
 from replystream.cli_values import int_between, positive_int
 from replystream.client.transport import http_request
@@ -26,6 +29,7 @@ from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.lab.local_server import serve_process
 from replystream.sse import EventParser
 from replystream.stats import percentile
+from tool_main import tool_main
 
 TICKS = os.sysconf("SC_CLK_TCK")
 # Each reply is cut after this many events and resumed from half of them: its reply must
@@ -87,13 +91,14 @@ def summary(values: list[float]) -> str:
     return f"median {statistics.median(values):6.2f} ms, p95 {percentile(values, 95):6.2f} ms"
 
 
-async def measure(args: argparse.Namespace, redis_url: str) -> None:
+async def measure(args: argparse.Namespace) -> None:
     common = ["--engine", "simulated", "--tokens", str(args.tokens), "--delay-ms", "1"]
     common += ["--jitter-ms", "0"]
     async with (
+        started_redis() as redis,
         serve_process(common) as memory,
-        serve_process([*common, "--redis-url", redis_url]) as redis_a_server,
-        serve_process([*common, "--redis-url", redis_url]) as redis_b_server,
+        serve_process([*common, "--redis-url", redis.url]) as redis_a_server,
+        serve_process([*common, "--redis-url", redis.url]) as redis_b_server,
     ):
         memory_url, redis_a, redis_b = memory.url, redis_a_server.url, redis_b_server.url
         same, other, local = [], [], []
@@ -130,34 +135,13 @@ def main() -> None:
     parser.add_argument("--replies", type=positive_int, default=40)
     parser.add_argument("--tokens", type=int_between(CUT_AT, MAX_TOKENS_LIMIT), default=400)
     args = parser.parse_args()
-    redis_binary = shutil.which("redis-server") or "/usr/sbin/redis-server"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with tempfile.TemporaryDirectory() as workdir:
-        redis = subprocess.Popen(
-            [
-                redis_binary,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                workdir,
-            ],
-            stdout=subprocess.DEVNULL,
+    if find_binary("redis-server") is None:
+        parser.error(
+            "redis-server is not installed (Debian package redis-server), or not on PATH "
+            "nor in sbin: the Redis store is half of what this measures"
         )
-        try:
-            time.sleep(0.5)
-            asyncio.run(measure(args, f"redis://127.0.0.1:{port}/0"))
-        finally:
-            redis.terminate()
-            redis.wait()
+    asyncio.run(measure(args))
 
 
 if __name__ == "__main__":
-    main()
+    tool_main(main)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from replystream.client.transport import http_request
+from replystream.lab.local_server import serve_process
 from replystream.sse import EventParser
-from tests.processes import replica
 from tests.redis_server import redis_with_sentinel
 
 ENGINE = ("--engine", "simulated", "--delay-ms", "30", "--jitter-ms", "5", "--tokens", "200")
@@ -149,7 +149,9 @@ async def run(
     all begun; account for what every client got."""
     with redis_with_sentinel(tmp / "redis") as redis:
         args = (*ENGINE, "--redis-url", redis.url, "--redis-failover-s", str(failover_s))
-        async with replica(*args) as (_, a_url), replica(*args) as (_, b_url):
+        # Started as tools start servers: a Ctrl-C of the benchmark stops them quietly.
+        async with serve_process(args) as a, serve_process(args) as b:
+            a_url, b_url = a.url, b.url
             reference = Client()
             await read_stream(f"{a_url}/v1/replies", reference, body=b'{"prompt": "x"}')
             pairs = [(a_url, a_url), (a_url, b_url), (b_url, b_url), (b_url, a_url)]

@@ -102,6 +102,10 @@ class RedisServer:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # Out of the terminal's reach: a Ctrl-C stops the tests or the benchmark (whose
+            # loop may be waiting on a start here), which stops this; stopped under them by it
+            # too, a Redis or Sentinel being set up failed the start 30 s later.
+            start_new_session=True,
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and self.process.poll() is None:
@@ -298,7 +302,10 @@ class RedisWithSentinel:
             f"sentinel parallel-syncs {self.SERVICE} 1\n"
         )
         return subprocess.Popen(
-            [self.sentinel_binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            [self.sentinel_binary, str(conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # as a RedisServer's
         )
 
     def _sentinel(self, *args: str) -> str:

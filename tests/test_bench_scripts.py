@@ -221,6 +221,8 @@ def accepts(port: int) -> bool:
     [
         # replystream serve, started through the lab's local server
         ("batching_delay.py", ["--repeats", "100"], 1, ()),
+        # redis-server (the delivery benchmark's) and three replicas of replystream serve
+        ("resume.py", ["--repeats", "1000"], 4, ("redis-server",)),
         # Redis, nginx, two replicas, then the load client in its own process
         (
             "delivery/run.py",
@@ -269,3 +271,40 @@ def test_ctrl_c_ends_a_benchmark_in_one_line_with_the_servers_it_started(
     assert stderr.splitlines() == [f"{Path(script).name}: interrupted"], stderr
     assert not [pid for pid in started if alive(pid)], started
     assert not [port for port in ports if accepts(port)], ports
+
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def test_the_redis_memory_benchmark_runs_as_a_script_from_anywhere(tmp_path: Path) -> None:
+    # Before: ``python benchmarks/redis_memory.py`` (and ``redis_failover.py``) failed on
+    # ``from tests...`` (ModuleNotFoundError) unless run with PYTHONPATH=src:. from the checkout.
+    require_binary("redis-server")
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "redis_memory.py"), "--replies", "5"],
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "chat chunks, 120" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("script", "words"),
+    [
+        # Before: a FileNotFoundError traceback for /usr/sbin/redis-server, assumed.
+        ("resume.py", "redis-server is not installed"),
+        # Before: pytest's Skipped, as a traceback, once the tests' helpers looked for it (and
+        # before that, the ModuleNotFoundError above).
+        ("redis_memory.py", "redis-server is not installed"),
+        ("redis_failover.py", "redis-server, redis-sentinel, redis-cli not installed"),
+    ],
+)
+def test_a_redis_benchmark_without_redis_says_so_in_one_line(
+    script: str, words: str, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PATH": str(tmp_path), "PYTHONPATH": str(SRC)}
+    refused(run_script(script, env=env, timeout_s=30), words)

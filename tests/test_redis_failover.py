@@ -4,7 +4,7 @@ Producers and readers reconnect to the promoted replica; what Redis lost (asynch
 replication) is written again by each reply's producer from its copy, or told to readers as a
 ``gap``: every client has the exact text or was told, none lost anything silently, none saw
 an event twice, nothing hangs (``tests/failover_scenario.py``; the figures, with recovery
-times, from ``python -m benchmarks.redis_failover``).
+times, from ``python benchmarks/redis_failover.py``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import socket
 import tempfile
@@ -34,14 +35,14 @@ def free_port() -> int:
     return port
 
 
-# Where each program the tier starts is looked for past PATH (sbin is not on every user's).
-FALLBACKS = {"redis-server": "/usr/sbin/redis-server", "nginx": "/usr/sbin/nginx"}
+# Where a program is looked for past PATH, as the tests look: Debian installs daemons in sbin,
+# which is not on every user's PATH.
+SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 
 
 def find_binary(name: str) -> str | None:
-    """The path of program ``name`` (``redis-server`` or ``nginx``), None if not installed."""
-    fallback = FALLBACKS[name]
-    return shutil.which(name) or (fallback if Path(fallback).exists() else None)
+    """The path of program ``name`` (``redis-server``, ``nginx``), None if not installed."""
+    return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SBIN_DIRS))
 
 
 def binary(name: str) -> str:
