@@ -41,6 +41,7 @@ from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
 from replystream.cli_values import positive_int
 from replystream.engine.gguf_engine import GGUF_ENGINE_DEFAULTS, load_gguf_model
+from replystream.engine.gguf_file import open_gguf
 from replystream.engine.kv_cache import PagedKVCache
 from replystream.engine.model import Chunk, TinyModel
 from replystream.engine.smollm2_weights import SMOLLM2_INSTALL, smollm2_path
@@ -255,10 +256,9 @@ def main() -> None:
     path = smollm2_path()
     if path is None:
         raise SystemExit(f"the SmolLM2 weights are not installed: {SMOLLM2_INSTALL}")
-    wall, cpu = time.perf_counter(), time.process_time()
-    _, model, _ = load_gguf_model(path)
-    load = Took(time.perf_counter() - wall, time.process_time() - cpu)
-    context = model.config.context  # known once loaded; every position must fall in it
+    # Every position must fall in the model's context, which the file's header says: read
+    # alone, before the weights are dequantised, so that a mistake is told at once.
+    context = open_gguf(path).config.context
     if PREFIX + args.steps > context:
         parser.error(
             f"argument --steps: at most {context - PREFIX} (the model's context is "
@@ -266,6 +266,9 @@ def main() -> None:
         )
     if max(lengths) > context:
         parser.error(f"argument --ttft: at most the model's context, {context}, got {max(lengths)}")
+    wall, cpu = time.perf_counter(), time.process_time()
+    _, model, _ = load_gguf_model(path)
+    load = Took(time.perf_counter() - wall, time.process_time() - cpu)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"model: {path.name}, {model.parameter_count:,} parameters")
     print(
