@@ -93,6 +93,9 @@ def test_the_delivery_benchmark_without_redis_says_so_before_it_starts(tmp_path:
         (["--timeout-s", "-1"], "--timeout-s"),
         (["--json", "/nonexistent/dir/relay.json"], "--json: no directory '/nonexistent/dir'"),
         (["--relays", "litellm", "--litellm", "/nonexistent/litellm"], "not an executable"),
+        # Before, --quick replaced any -C and --rounds given with its own, unsaid (and ran).
+        (["--quick", "-C", "0"], "every -C must be at least 1"),
+        (["--quick", "--rounds", "0"], "--rounds"),
     ],
 )
 def test_the_relay_benchmark_refuses_a_run_it_cannot_make_before_it_starts(

@@ -283,9 +283,13 @@ async def main(args: argparse.Namespace) -> dict[tuple[str, int], list[dict[str,
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="C = 1 and 100, one round")
-    parser.add_argument("-C", "--concurrency", type=int, nargs="+", default=[1, 100, 500, 1000])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--quick", action="store_true", help="C = 1 and 100, one round, where not given"
+    )
+    parser.add_argument(
+        "-C", "--concurrency", type=int, nargs="+", help="streams at once (default 1 100 500 1000)"
+    )
+    parser.add_argument("--rounds", type=int, help="rounds of every C and target (default 3)")
     parser.add_argument("--relays", nargs="+", choices=RELAYS, default=list(RELAYS))
     parser.add_argument("--litellm", default=shutil.which("litellm"), help="litellm executable")
     parser.add_argument(
@@ -323,8 +327,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--json", help="also write every round's figures to this file")
     args = parser.parse_args()
-    if args.quick:
-        args.concurrency, args.rounds = [1, 100], 1
+    # --quick fills in only the counts not given: a -C or --rounds given is what runs.
+    if args.concurrency is None:
+        args.concurrency = [1, 100] if args.quick else [1, 100, 500, 1000]
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     if "litellm" in args.relays and not args.litellm:
         parser.error(
             "--litellm: no litellm executable found (pip install -e '.[bench]', or give its path)"
