@@ -161,6 +161,8 @@ def test_the_soak_passes_on_a_healthy_server_at_a_small_size_with_slow_readers()
         ("whole_reply_stall.py", ["--src", "x"], "argument --src"),
         ("delivery/start_cost.py", ["-N", "0"], "argument -N/--requests"),
         ("delivery/memory_breakdown.py", ["-C", "0"], "argument -C/--concurrency"),
+        # Before, taken and ignored: no tracer runs.
+        ("delivery/memory_breakdown.py", ["--untraced", "--frames", "8"], "argument --frames"),
         ("delivery/redis_write_cost.py", ["--replies", "0"], "argument --replies"),
         ("delivery/bare_app.py", ["--port", "-1"], "argument --port"),
         ("relay/layer_cost.py", ["--seconds", "0"], "argument --seconds"),

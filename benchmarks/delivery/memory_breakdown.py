@@ -181,9 +181,9 @@ def main() -> None:
     parser.add_argument(
         "--frames",
         type=int_between(1, 65535),  # tracemalloc's own range
-        default=1,
-        help="stack frames kept per allocation: more finds the replystream call behind a "
-        "library's allocation, but slows the server so that it falls behind the schedule",
+        help="stack frames kept per allocation (default 1): more finds the replystream call "
+        "behind a library's allocation, but slows the server so that it falls behind the "
+        "schedule",
     )
     parser.add_argument(
         "--untraced",
@@ -192,10 +192,11 @@ def main() -> None:
         "(what the delivery benchmark measures, by type)",
     )
     args = parser.parse_args()
+    if args.untraced and args.frames is not None:
+        parser.error("argument --frames: the tracer's, which --untraced leaves off")
     raise_nofile()
-    lines = study(
-        args.server, args.concurrency, args.after_s, args.top, args.frames, not args.untraced
-    )
+    frames = 1 if args.frames is None else args.frames
+    lines = study(args.server, args.concurrency, args.after_s, args.top, frames, not args.untraced)
     print("\n".join(asyncio.run(lines)))
 
 
