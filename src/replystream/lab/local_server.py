@@ -66,8 +66,11 @@ async def _pass_on(stream: asyncio.StreamReader, quiet: asyncio.Event) -> None:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     while data := await stream.read(1 << 16):
         if not quiet.is_set():
-            sys.stderr.write(decoder.decode(data))
-            sys.stderr.flush()
+            try:
+                sys.stderr.write(decoder.decode(data))
+                sys.stderr.flush()
+            except (OSError, ValueError):  # our stderr closed, or its reader gone
+                quiet.set()
 
 
 @contextlib.asynccontextmanager
