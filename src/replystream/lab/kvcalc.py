@@ -3,13 +3,16 @@ step must read from memory.
 
 This file decides the arithmetic (the reference article's formula, exactly, in integer bytes)
 and the published shapes of a few well-known models. It must not know about servers, clients or
-any real allocator: block rounding, activations and fragmentation are outside the formula.
+any real allocator: activations and an allocator's own overheads are outside the formula; a
+paged cache's block rounding is in it when the query gives a block size.
 
     KV bytes = 2 (K and V) x layers x cached tokens x KV heads x head dim x bytes per element
 
-A sliding-window model caches at most ``window`` tokens per sequence. A decode step at batch B
-reads every weight once plus each active sequence's cache, so memory bandwidth bounds it below:
-``(weights + B x cache per sequence) / bandwidth``.
+A sliding-window model caches at most ``window`` tokens per sequence. A paged cache (ours, vLLM's)
+hands a sequence whole blocks of ``block_size`` tokens, so it holds its tokens rounded up to
+whole blocks, and a memory holds whole blocks: with a block size the figures are the blocks'.
+A decode step at batch B reads every weight once plus each active sequence's cached tokens, so
+memory bandwidth bounds it below: ``(weights + B x cache per sequence) / bandwidth``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ LARGEST = {
     "tokens": 10**12,
     "sliding_window": 10**12,
     "batch": 10**9,
+    "block_size": 10**12,
 }
 
 
@@ -92,6 +96,7 @@ class KVQuery:
     weights_gb: float | None = None
     bandwidth_tbs: float | None = None
     batch: int = 1
+    block_size: int | None = None  # tokens per block of a paged cache (None: no blocks)
 
     def __post_init__(self) -> None:
         for name, largest in LARGEST.items():
@@ -114,7 +119,14 @@ def kv_sizes(query: KVQuery) -> dict[str, Any]:
     cached = query.tokens
     if query.sliding_window is not None:
         cached = min(cached, query.sliding_window)
-    per_sequence = bytes_per_token * cached
+    # What a sequence holds: its cached tokens, or the whole blocks they take (a block is one
+    # "token" of the pool, so the fit below counts blocks).
+    unit, per_unit = 1, cached
+    if query.block_size is not None:
+        unit = query.block_size
+        per_unit = blocks_per_sequence(query.tokens, query.sliding_window, unit)
+    bytes_per_unit = bytes_per_token * unit
+    per_sequence = bytes_per_unit * per_unit
     out: dict[str, Any] = {
         "inputs": asdict(query),
         "bytes_per_element": bits / 8,
@@ -122,15 +134,22 @@ def kv_sizes(query: KVQuery) -> dict[str, Any]:
         "cached_tokens_per_sequence": cached,
         "bytes_per_sequence": per_sequence,
     }
+    if query.block_size is not None:
+        out["bytes_per_block"] = bytes_per_unit
+        out["blocks_per_sequence"] = per_unit
     if query.memory_gib is not None:
         memory = query.memory_gib * GIB
+        units = int(memory // bytes_per_unit)
         out["memory_bytes"] = memory
-        out["sequences_that_fit"] = int(memory // per_sequence)
-        out["tokens_that_fit"] = int(memory // bytes_per_token)
+        if query.block_size is not None:
+            out["blocks_that_fit"] = units
+        out["sequences_that_fit"] = units // per_unit
+        out["tokens_that_fit"] = units * unit
     if query.bandwidth_tbs is not None:
         bandwidth = query.bandwidth_tbs * TB
         weights = (query.weights_gb or 0.0) * GB
-        batch_cache = query.batch * per_sequence
+        # A step reads the tokens cached, not the empty slots of a sequence's last block.
+        batch_cache = query.batch * bytes_per_token * cached
         step_s = (weights + batch_cache) / bandwidth
         out["decode_step"] = {
             "batch": query.batch,
@@ -142,6 +161,18 @@ def kv_sizes(query: KVQuery) -> dict[str, Any]:
             "tokens_per_s_ceiling": query.batch / step_s,
         }
     return out
+
+
+def blocks_per_sequence(tokens: int, window: int | None, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens a sequence of ``tokens`` holds at most.
+
+    A window's tokens start anywhere in a block: ``window`` of them may touch one block more
+    than they fill (a window of 4,096 in blocks of 16 spans 257 blocks at most).
+    """
+    blocks = -(-tokens // block_size)
+    if window is not None and window < tokens:
+        blocks = min(blocks, -(-(window - 1) // block_size) + 1)
+    return blocks
 
 
 def format_bytes(n: float) -> str:
@@ -167,21 +198,28 @@ def render(result: dict[str, Any]) -> str:
     ]
     cached = result["cached_tokens_per_sequence"]
     window = f" (window caps {q['tokens']:,} at {cached:,})" if cached < q["tokens"] else ""
+    size = q["block_size"]
+    blocks = "" if size is None else f" in {result['blocks_per_sequence']:,} blocks of {size:,}"
     lines.append(
-        f"per sequence:  {cached:,} tokens{window} = {result['bytes_per_sequence']:,} B"
+        f"per sequence:  {cached:,} tokens{window}{blocks} = {result['bytes_per_sequence']:,} B"
         f" = {format_bytes(result['bytes_per_sequence'])}"
     )
     if "sequences_that_fit" in result:
+        pool = "" if size is None else f"{result['blocks_that_fit']:,} blocks: "
+        # Blocks count the slots a sequence's last block leaves empty: the fragmentation.
+        left_out = "weights and activations"
+        if size is None:
+            left_out = "weights, activations and fragmentation"
         lines.append(
-            f"in {q['memory_gib']:g} GiB:     {result['sequences_that_fit']:,} full-length"
-            f" sequences ({result['tokens_that_fit']:,} tokens), before weights, activations"
-            " and fragmentation"
+            f"in {q['memory_gib']:g} GiB:     {pool}{result['sequences_that_fit']:,} full-length"
+            f" sequences ({result['tokens_that_fit']:,} tokens), before {left_out}"
         )
     step = result.get("decode_step")
     if step is not None:
+        read = result["bytes_per_token"] * cached
         lines.append(
             f"decode step:   ({step['weights_bytes'] / GB:,.2f} GB weights"
-            f" + {step['batch']} x {format_bytes(result['bytes_per_sequence'])}"
+            f" + {step['batch']} x {format_bytes(read)}{'' if size is None else ' cached'}"
             f" = {step['batch_cache_bytes'] / GB:,.2f} GB cache)"
             f" / {q['bandwidth_tbs']:g} TB/s >= {step['step_floor_ms']:,.2f} ms"
             f" (weights alone: {step['weights_only_floor_ms']:,.2f} ms);"
@@ -220,6 +258,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch",
         type=_count("batch"),
         help="full-length sequences per step, with --bandwidth-tbs (default: 1)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=_count("block_size"),
+        help="tokens per block of a paged cache: each sequence holds whole blocks "
+        "(replystream's engine: 16; default: no blocks)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -293,6 +337,7 @@ def query_from_args(args: argparse.Namespace) -> KVQuery:
         weights_gb=weights,
         bandwidth_tbs=args.bandwidth_tbs,
         batch=1 if args.batch is None else args.batch,
+        block_size=args.block_size,
     )
 
 
