@@ -173,3 +173,26 @@ def test_a_changed_shape_needs_its_own_weights_to_size_a_step(capsys):
     # A window changes no weight: the preset's still hold.
     assert main(["kv", "--model", "llama-3-8b", "--window", "100", "--bandwidth-tbs", "3"]) == 0
     assert "sliding window 100" in capsys.readouterr().out
+
+
+def step_of(result: dict[str, object]) -> dict[str, object]:
+    step = result["decode_step"]
+    assert isinstance(step, dict)
+    return step
+
+
+def test_a_batch_the_memory_cannot_hold_is_said_beside_its_step(capsys):
+    # 40 GiB holds 16 of Llama-3-70B's 2.5 GiB sequences: a step of 64 is no batch it can run.
+    args = ["--model", "llama-3-70b", "--memory-gib", "40", "--bandwidth-tbs", "3.35"]
+    assert main(["kv", *args, "--batch", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith(
+        "at most 685 tokens/s, but 64 sequences need 160 GiB of cache: 40 GiB holds 16"
+    )
+    assert step_of(kv_json(capsys, *args, "--batch", "64"))["batch_fits_memory"] is False
+    # A batch the memory holds has no such note.
+    assert main(["kv", *args, "--batch", "16"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("at most 291 tokens/s")
+    assert step_of(kv_json(capsys, *args, "--batch", "16"))["batch_fits_memory"] is True
+    # Without --memory-gib nothing is known about the fit.
+    assert "batch_fits_memory" not in step_of(kv_json(capsys, *args[:2], *args[4:]))

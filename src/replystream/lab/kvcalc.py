@@ -160,6 +160,9 @@ def kv_sizes(query: KVQuery) -> dict[str, Any]:
             "step_floor_ms": step_s * 1000,
             "tokens_per_s_ceiling": query.batch / step_s,
         }
+        if "sequences_that_fit" in out:
+            # The floor is the bandwidth's; a batch the memory cannot hold never runs at all.
+            out["decode_step"]["batch_fits_memory"] = query.batch <= out["sequences_that_fit"]
     return out
 
 
@@ -223,9 +226,20 @@ def render(result: dict[str, Any]) -> str:
             f" = {step['batch_cache_bytes'] / GB:,.2f} GB cache)"
             f" / {q['bandwidth_tbs']:g} TB/s >= {step['step_floor_ms']:,.2f} ms"
             f" (weights alone: {step['weights_only_floor_ms']:,.2f} ms);"
-            f" at most {step['tokens_per_s_ceiling']:,.0f} tokens/s"
+            f" at most {step['tokens_per_s_ceiling']:,.0f} tokens/s{_beyond_memory(result)}"
         )
     return "\n".join(lines)
+
+
+def _beyond_memory(result: dict[str, Any]) -> str:
+    """What the decode step's line adds when the memory given cannot hold its batch."""
+    if result["decode_step"].get("batch_fits_memory", True):
+        return ""
+    q, batch = result["inputs"], result["decode_step"]["batch"]
+    return (
+        f", but {batch:,} sequences need {format_bytes(batch * result['bytes_per_sequence'])}"
+        f" of cache: {q['memory_gib']:g} GiB holds {result['sequences_that_fit']:,}"
+    )
 
 
 def _count(field: str) -> Checker[int]:
