@@ -196,3 +196,15 @@ def test_a_batch_the_memory_cannot_hold_is_said_beside_its_step(capsys):
     assert step_of(kv_json(capsys, *args, "--batch", "16"))["batch_fits_memory"] is True
     # Without --memory-gib nothing is known about the fit.
     assert "batch_fits_memory" not in step_of(kv_json(capsys, *args[:2], *args[4:]))
+
+
+def test_the_report_names_the_memory_and_bandwidth_as_given(capsys):
+    # A pool of whole blocks in GiB is a binary fraction of many digits (2 MiB: 64 blocks of
+    # the tiny model's 16 tokens): six significant digits named another amount than given.
+    shape = ["--layers", "4", "--kv-heads", "2", "--head-dim", "32", "--tokens", "100"]
+    amounts = ["--memory-gib", "0.001953125", "--weights-gb", "0.5"]
+    assert main(["kv", *shape, *amounts, "--bandwidth-tbs", "0.05123415", "--batch", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "in 0.001953125 GiB:" in out
+    assert "/ 0.05123415 TB/s" in out
+    assert out.rstrip().endswith("of cache: 0.001953125 GiB holds 20")

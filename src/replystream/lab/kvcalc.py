@@ -188,6 +188,12 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _amount(value: float) -> str:
+    """An amount as it was given: ``40``, ``1.40625``, ``0.001953125`` (a pool of whole
+    blocks in GiB has many digits; ``:g`` keeps six and would name another amount)."""
+    return f"{value:.15g}"
+
+
 def render(result: dict[str, Any]) -> str:
     """The human-readable report of ``kv_sizes``."""
     q = result["inputs"]
@@ -214,8 +220,9 @@ def render(result: dict[str, Any]) -> str:
         if size is None:
             left_out = "weights, activations and fragmentation"
         lines.append(
-            f"in {q['memory_gib']:g} GiB:     {pool}{result['sequences_that_fit']:,} full-length"
-            f" sequences ({result['tokens_that_fit']:,} tokens), before {left_out}"
+            f"in {_amount(q['memory_gib'])} GiB:     {pool}"
+            f"{result['sequences_that_fit']:,} full-length sequences"
+            f" ({result['tokens_that_fit']:,} tokens), before {left_out}"
         )
     step = result.get("decode_step")
     if step is not None:
@@ -224,7 +231,7 @@ def render(result: dict[str, Any]) -> str:
             f"decode step:   ({step['weights_bytes'] / GB:,.2f} GB weights"
             f" + {step['batch']} x {format_bytes(read)}{'' if size is None else ' cached'}"
             f" = {step['batch_cache_bytes'] / GB:,.2f} GB cache)"
-            f" / {q['bandwidth_tbs']:g} TB/s >= {step['step_floor_ms']:,.2f} ms"
+            f" / {_amount(q['bandwidth_tbs'])} TB/s >= {step['step_floor_ms']:,.2f} ms"
             f" (weights alone: {step['weights_only_floor_ms']:,.2f} ms);"
             f" at most {step['tokens_per_s_ceiling']:,.0f} tokens/s{_beyond_memory(result)}"
         )
@@ -238,7 +245,7 @@ def _beyond_memory(result: dict[str, Any]) -> str:
     q, batch = result["inputs"], result["decode_step"]["batch"]
     return (
         f", but {batch:,} sequences need {format_bytes(batch * result['bytes_per_sequence'])}"
-        f" of cache: {q['memory_gib']:g} GiB holds {result['sequences_that_fit']:,}"
+        f" of cache: {_amount(q['memory_gib'])} GiB holds {result['sequences_that_fit']:,}"
     )
 
 
