@@ -208,3 +208,14 @@ def test_the_report_names_the_memory_and_bandwidth_as_given(capsys):
     assert "in 0.001953125 GiB:" in out
     assert "/ 0.05123415 TB/s" in out
     assert out.rstrip().endswith("of cache: 0.001953125 GiB holds 20")
+
+
+@pytest.mark.parametrize(
+    ("memory_gib", "said"),
+    [("0.2", "1 full-length sequence ("), ("0.3", "2 full-length sequences (")],
+)
+def test_the_count_of_sequences_that_fit_agrees_with_its_noun(capsys, memory_gib, said):
+    assert (
+        main(["kv", "--model", "llama-3-8b", "--tokens", "1000", "--memory-gib", memory_gib]) == 0
+    )
+    assert said in capsys.readouterr().out

@@ -221,7 +221,8 @@ def render(result: dict[str, Any]) -> str:
             left_out = "weights, activations and fragmentation"
         lines.append(
             f"in {_amount(q['memory_gib'])} GiB:     {pool}"
-            f"{result['sequences_that_fit']:,} full-length sequences"
+            f"{result['sequences_that_fit']:,} full-length"
+            f" sequence{'' if result['sequences_that_fit'] == 1 else 's'}"
             f" ({result['tokens_that_fit']:,} tokens), before {left_out}"
         )
     step = result.get("decode_step")
