@@ -59,12 +59,18 @@ def broken_app() -> web.Application:
         await response.write_eof()
         return response
 
+    async def html_error_page(request: web.Request) -> web.Response:
+        # A proxy's answer for an upstream it could not reach, as nginx words it.
+        page = "<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n" + " " * 200
+        return web.Response(status=502, text=page, content_type="text/html")
+
     app = web.Application()
     app.router.add_get("/cut", cut_stream)
     app.router.add_get("/half", half_event)
     app.router.add_get("/truncated", truncated_json)
     app.router.add_get("/reset", reset)
     app.router.add_get("/ok", done_then_gone)
+    app.router.add_get("/html", html_error_page)
     return app
 
 
@@ -75,6 +81,7 @@ async def test_broken_replies_are_reported_incomplete_with_a_reason():
         truncated = await measure_reply(f"{url}/truncated")
         reset = await measure_reply(f"{url}/reset")
         ok = await measure_reply(f"{url}/ok")
+        html = await measure_reply(f"{url}/html")
     assert not cut.complete and cut.error == "stream ended without an end marker"
     assert cut.text == "one two three " and cut.tokens == 3
     assert not half.complete and half.text == "one "
@@ -82,6 +89,11 @@ async def test_broken_replies_are_reported_incomplete_with_a_reason():
     assert truncated.first_text_ms is None
     assert not reset.complete and reset.error is not None
     assert ok.complete and ok.error is None and ok.text == "hi "
+    # Not JSON at all: said so, with its beginning, which names what answered.
+    assert html.error == (
+        "HTTP 502: body is not JSON (261 bytes, beginning"
+        " '<html> <head><title>502 Bad Gateway</title></head> <body>'...)"
+    )
 
 
 # Nested past any parser's patience: json.loads recursed on it and raised RecursionError.

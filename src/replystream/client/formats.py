@@ -63,6 +63,8 @@ MAX_EVENT_CHARS = 64 << 20
 # holds every whole number up to it, so rates and means stay exact and finite).
 MOST_TOKENS = 2**53
 
+NOT_JSON_QUOTED = 80  # bytes of a body that is no JSON quoted in the error that says so
+
 
 def _count(value: Any, least: int) -> int | None:
     """``value`` as a token count from ``least`` to ``MOST_TOKENS``, or None (a count that
@@ -361,7 +363,7 @@ def interpret_body(body: bytes | bytearray) -> Meaning:
     try:
         payload = server_json(body)
     except ValueError:
-        return Meaning("error", error=f"body is not complete JSON ({len(body)} bytes)")
+        return Meaning("error", error=_not_json(body))
     if isinstance(payload, dict):
         if payload.get("object") == "response":  # its ``error`` key is there, null or not
             return _response_object(payload)
@@ -382,6 +384,17 @@ def interpret_body(body: bytes | bytearray) -> Meaning:
         if payload.get("type") == "message" and isinstance(payload.get("content"), list):
             return _anthropic_message(payload)
     return Meaning("error", error="body holds no reply text")
+
+
+def _not_json(body: bytes | bytearray) -> str:
+    """Why a body holds no JSON: one begun and cut short, or something else (a proxy's
+    HTML error page, say), quoted from its start so that a reader can tell what answered."""
+    start = bytes(body[:NOT_JSON_QUOTED]).lstrip()
+    if not start or start[:1] in (b"{", b"["):
+        return f"body is not complete JSON ({len(body):,} bytes)"
+    quoted = " ".join(start.decode("utf-8", "replace").split())
+    more = "..." if len(body) > NOT_JSON_QUOTED else ""
+    return f"body is not JSON ({len(body):,} bytes, beginning {quoted!r}{more})"
 
 
 def _anthropic_message(message: dict[str, Any]) -> Meaning:
