@@ -5,10 +5,12 @@ import asyncio
 import gzip
 import json
 import re
+import socket
 import time
 from collections.abc import AsyncGenerator
 from functools import partial
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -17,19 +19,41 @@ from replystream.delivery.moderation import BannedPhrases, RegexCheck, secret_ch
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine import SimulatedEngine
 from replystream.engine.base import Delta, DeltaStream, GenerationRequest
+from replystream.engine.reply_script import parse_reply_script
+from replystream.engine.simulated import SimulatedConfig, simulated_engine
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine, wait_for
 from tests.processes import launch, ready_url, replica, stop
-from tests.rawhttp import raw_request
+from tests.rawhttp import RawResponse, raw_request
 from tests.scripted_engine import ScriptedEngine
 from tests.sse_client import Received, post_events
+from tests.stalling_proxy import small_send_buffer
 
 REPLY = "we will now launch the rocket at dawn and then we go home to rest"
 
 
 def steps_reached(engine: SimulatedEngine, target: int) -> bool:
     return engine.stats().steps >= target
+
+
+async def stalled_post(url: str, body: bytes) -> RawResponse:
+    """A POST on a socket with a small receive buffer, its head read: the caller then reads
+    nothing for as long as it likes."""
+    parts = urlsplit(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (parts.hostname, parts.port))
+    # Its own buffer small too (a stream reader's default takes in 128 KiB before it stops).
+    reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+    head = f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nConnection: close\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    writer.write(head.encode() + body)
+    response = RawResponse(reader, writer)
+    await response.read_head()
+    assert response.status == 200
+    return response
 
 
 def serve(engine: SimulatedEngine, **policy: object):
@@ -369,6 +393,34 @@ async def test_a_client_that_stops_reading_is_cut_and_its_generation_cancelled()
     assert re.search(
         rb'replystream_replies_total\{endpoint="/v1/replies",outcome="slow_client"\} 1', metrics
     )
+
+
+@pytest.mark.parametrize(
+    ("route", "ask"),
+    [
+        ("/v1/replies", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}),
+    ],
+)
+async def test_a_reader_whose_socket_stopped_draining_is_cut_within_the_time_limit(route, ask):
+    # 120 KB of events at once, then the reply pauses for 4 s: a reader that reads nothing
+    # fills its sockets' and its own few KB and the server's 64 KiB write buffer past its
+    # high-water mark, so the server's next write waits for a socket that does not drain,
+    # and is cut 0.5 s later, in the pause. The server's writes once went on without
+    # waiting until another 64 KiB had been written since the buffer last drained (aiohttp
+    # waits only then): this reader was not cut, and its reply was made to its end for
+    # nobody (then sent whole, its end queued before the cut).
+    steps: list[dict[str, object]] = [{"text": "y" * 999 + " ", "delay_ms": 0.5}] * 120
+    steps.append({"text": "end", "delay_ms": 4000})
+    engine = simulated_engine(SimulatedConfig(script=parse_reply_script(steps)))
+    app = create_app(engine, ServerConfig(policy=DeliveryPolicy(slow_client_s=0.5)))
+    app.on_response_prepare.append(small_send_buffer)
+    async with running(app) as url:
+        stalled = await stalled_post(f"{url}{route}", json.dumps(ask).encode())
+        await wait_for(lambda: engine.stats().active == 0, timeout_s=3)
+        assert engine.stats().cancelled == 1
+        body = await stalled.read_body()  # now read what the server left for us
+    assert b"slow_client" in body[-300:] and b'"end"' not in body
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,11 @@
 This file is the only place that knows an event stream's bytes on the wire (``event:``,
 ``id:``, ``data:``, keep-alive comments), HTTP/1.1 chunk framing, and the parts of aiohttp's
 response it must reach into: headers held back to leave with the first events, a write that
-goes straight into the socket (the follower's direct path), and a last event queued without
-waiting when the socket does not drain. No route that streams takes ``HEAD`` (each answers it
-with 405: ``app``): a stream always has a body. It must not know about replies or how the log
-is kept.
+goes straight into the socket (the follower's direct path), a write that waits whenever the
+socket's buffer is past its high-water mark (aiohttp's own waits only every 64 KiB), and a
+last event queued without waiting when the socket does not drain. No route that streams
+takes ``HEAD`` (each answers it with 405: ``app``): a stream always has a body. It must not
+know about replies or how the log is kept.
 """
 
 from __future__ import annotations
@@ -142,6 +143,12 @@ class SSETransport(SocketRoom):
             await self.response.write_eof(data)
         else:
             await self.response.write(data)
+            # aiohttp's write waits for the socket only once 64 KiB were written since its
+            # last wait: until then a client that stopped reading had the writes pile up
+            # in the buffer past its high-water mark, uncounted by the byte limit, and
+            # none waited, so the time limit never began to run.
+            if self._protocol.writing_paused:
+                await self.request.writer.drain()
         return len(data)
 
     def push(self, entries: Sequence[LogEntry]) -> int | None:
