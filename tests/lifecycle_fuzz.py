@@ -3,7 +3,9 @@
 Many clients at once, each drawing (from its own seeded random source) a route to start a
 reply on, how much of it to read before cutting the connection, and what else to do to the
 reply meanwhile from other connections: resume it, cancel it, delete it, poll it, read it
-again from an earlier event. Every reader's events are checked as they come:
+again from an earlier event. Every route, the WebSocket's too, draws batching and a
+moderation hold-back window, and the servers ban a phrase. Every reader's events are
+checked as they come:
 
 - ids (and a response's sequence numbers) go up by one within a stream, from where it
   started; only an ending the reader itself was told (no id of its own) repeats the last;
@@ -675,7 +677,21 @@ class Driver:
 
     async def ws_episode(self, reply: Reply, rng: random.Random) -> None:
         base = reply.base = self.url(rng)
-        result = await self.bounded(reply, "ws", self.ws_read(reply, rng, base))
+        message: dict[str, Any] = {
+            "type": "reply",
+            "id": "a",
+            "prompt": "x",
+            "max_tokens": reply.max_tokens,
+        }
+        if reply.resumable:
+            message["resumable"] = True
+        if reply.stops:
+            message["stop"] = list(reply.stops)
+        extra = self.delivery(rng)
+        reply.window = extra.get("holdback_tokens", 0)
+        message.update(extra)
+        reply.body = json.dumps(message)
+        result = await self.bounded(reply, "ws", self.ws_read(reply, rng, base, message))
         if result is None:
             return
         last, ended = result
@@ -683,53 +699,31 @@ class Driver:
             await self.pause(reply, rng)
             await self.resume_chain(reply, rng, last, rng.randint(0, 2))
 
-    async def ws_read(self, reply: Reply, rng: random.Random, base: str) -> tuple[int, bool]:
+    async def ws_read(
+        self, reply: Reply, rng: random.Random, base: str, message: dict[str, Any]
+    ) -> tuple[int, bool]:
         stop_after = rng.choice([None, rng.randint(0, 12)])
         cancel_after = rng.choice([None, None, rng.randint(0, 12)])
         last = 0
         seen = 0
         async with self.http.ws_connect(base + "/v1/ws") as ws:
-            message: dict[str, Any] = {
-                "type": "reply",
-                "id": "a",
-                "prompt": "x",
-                "max_tokens": reply.max_tokens,
-            }
-            if reply.resumable:
-                message["resumable"] = True
-            if reply.stops:
-                message["stop"] = list(reply.stops)
             await ws.send_json(message)
             async for frame in ws:
                 if frame.type != aiohttp.WSMsgType.TEXT:
                     self.run.fail(reply, f"ws frame {frame.type}")
                     return last, True
                 data = json.loads(frame.data)
-                kind = data["type"]
                 if "seq" not in data:
-                    if kind == "error" and data["data"]["error"]["code"] == "reply_not_found":
+                    if (
+                        data["type"] == "error"
+                        and data["data"]["error"]["code"] == "reply_not_found"
+                    ):
                         self.run.counts["ws cancel of an ended reply"] += 1
                         continue
                     self.run.fail(reply, f"ws message without seq: {data}")
                     return last, True
-                reply.reply_id = data["reply_id"]
-                seq = data["seq"]
-                if seq != last + 1:
-                    self.run.fail(reply, f"ws seq {seq} after {last}")
-                last = seq
-                text = pieces("native", kind, data["data"])
-                known = reply.texts.setdefault(seq, text)
-                if known != text:
-                    self.run.fail(reply, f"ws: seq {seq} text {text!r}, another saw {known!r}")
-                reply.finishes.update(finishes("native", kind, data["data"]))
-                if kind in ("done", "error", "moderated"):
-                    reply.final_ids.add(seq)
-                    ending = "complete"
-                    if kind == "error":
-                        ending = f"error:{data['data']['error']['code']}"
-                    if ending == "complete":
-                        reply.complete_told += 1
-                    self.run.counts[f"ending ws {ending}"] += 1
+                last, ended = self.ws_message(reply, data, last)
+                if ended:
                     return last, True
                 seen += 1
                 if cancel_after is not None and seen == cancel_after:
@@ -739,6 +733,31 @@ class Driver:
                     reply.cancel_asked |= not reply.resumable  # its socket closes: it stops
                     return last, False
         return last, False
+
+    def ws_message(self, reply: Reply, data: dict[str, Any], last: int) -> tuple[int, bool]:
+        """Take one of the reply's messages (one with a ``seq``); whether it ends the reply."""
+        kind = data["type"]
+        reply.reply_id = data["reply_id"]
+        seq = data["seq"]
+        if seq != last + 1:
+            self.run.fail(reply, f"ws seq {seq} after {last}")
+        text = pieces("native", kind, data["data"])
+        known = reply.texts.setdefault(seq, text)
+        if known != text:
+            self.run.fail(reply, f"ws: seq {seq} text {text!r}, another saw {known!r}")
+        reply.finishes.update(finishes("native", kind, data["data"]))
+        if kind not in ("done", "error", "moderated"):
+            return seq, False
+        reply.final_ids.add(seq)
+        ending = "complete"
+        if kind == "error":
+            ending = f"error:{data['data']['error']['code']}"
+        if ending == "complete":
+            reply.complete_told += 1
+        elif not reply.cancel_asked:
+            reply.odd_endings.append(f"ws: {ending}")
+        self.run.counts[f"ending ws {ending}"] += 1
+        return seq, True
 
     # --- after ----------------------------------------------------------------------------
 
