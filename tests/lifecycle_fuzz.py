@@ -20,6 +20,11 @@ checked as they come:
 - every request is answered within a generous bound, never with a 5xx, and a 4xx is in the
   route's error format.
 
+With a server killed during the run, a reader it was serving reads on on a server alive,
+and after the run every reply of the killed server that one can still tell of (a resumable
+one, a stored response) is read to its end there, or polled until it ends: it must have
+ended whole, or ``generator_lost`` (a response ``failed`` saying so).
+
 After the run: the servers' gauges are back at their baseline and their logs hold no
 ERROR and no traceback. ``run()`` returns the failures (with the seed: a run replays its
 clients' plans, not the loop's exact timing).
@@ -99,6 +104,8 @@ class Reply:
     base: str = ""  # the server that started it
     body: str = ""  # the request that started it, for a failure's report
     left_alone: bool = False  # a resume came after a pause that may outlast the detach grace
+    ends_told: int = 0  # readers (and polls) told how it ended, however it ended
+    refused: list[str] = field(default_factory=list)  # requests about it answered 4xx
 
     @property
     def expect(self) -> Expected:
@@ -234,13 +241,14 @@ class Driver:
     ) -> tuple[int, str | None]:
         """Read SSE events into ``reply`` until its end or ``stop_after`` events; return the
         last id read and how the stream ended (None: cut by us, or it just ended)."""
+        where = f"{response.url.scheme}://{response.url.host}:{response.url.port}"
         parser = EventParser()
         last = after
         seen = 0
         dialect = reply.dialect
         read: list[str] = []  # the stream's events as id:type, for a failure's report
         lost_told: str | None = None  # a Responses reader told its producer is gone
-        async for chunk in response.content.iter_any():
+        async for chunk in self.unless_killed(response.content.iter_any(), where):
             for event in parser.feed(chunk):
                 read.append(f"{event.id}:{event.type}")
                 raw = event.data
@@ -276,8 +284,8 @@ class Driver:
                 if dialect == "responses" and isinstance(data, dict):
                     number = data.get("sequence_number")
                     if number != max(event_id, 1) - 1 and not (not logged and number == last - 1):
-                        where = f"at id {event_id} ({event.type} {raw[:300]})"
-                        self.run.fail(reply, f"{what}: sequence {number} {where}")
+                        at = f"at id {event_id} ({event.type} {raw[:300]})"
+                        self.run.fail(reply, f"{what}: sequence {number} {at}")
                 if logged:
                     text = pieces(dialect, event.type, data)
                     known = reply.texts.setdefault(event_id, text)
@@ -299,6 +307,7 @@ class Driver:
                 if ending is not None:
                     if "generator_lost" in ending and dialect == "responses":
                         lost_told = ending
+                    reply.ends_told += 1
                     if ending == "complete":
                         reply.complete_told += 1
                     elif not reply.cancel_asked and not (
@@ -314,13 +323,12 @@ class Driver:
                 seen += 1
                 if stop_after is not None and seen >= stop_after:
                     return last, None
-        where = f"{response.url.scheme}://{response.url.host}:{response.url.port}"
         if lost_told:
             self.run.fail(reply, f"{what}: no response.failed after {lost_told}")
             return last, lost_told
         if where in self.run.dead:
             self.run.counts[f"eof from the killed server {what}"] += 1
-            return last, "eof"
+            return last, "killed"
         if not read and after in reply.final_ids:
             # Placed at the reply's last event (another reader saw it) before this server
             # knew it ended: it had it all, so its stream just ends (a 409 once known).
@@ -332,6 +340,16 @@ class Driver:
             f"started on {reply.base})"
         )
         return last, "eof"
+
+    async def unless_killed(self, chunks: AsyncIterator[bytes], where: str) -> AsyncIterator[bytes]:
+        """The chunks, ended where the connection fails because its server was killed."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except (aiohttp.ClientError, ConnectionError):
+            if where not in self.run.dead:
+                raise
+            self.run.counts["connection lost to the killed server"] += 1
 
     # --- starts -------------------------------------------------------------------------
 
@@ -449,7 +467,12 @@ class Driver:
         anthropic = reply.dialect == "messages"
         headers = ANTHROPIC_HEADERS if anthropic else {}
         streamed = reply.route in STREAMED
-        async with self.http.post(base + path, json=body, headers=headers) as response:
+        last = 0
+        ending: str | None = "killed"  # unless it answers before its server is killed
+        async with (
+            self.killed_or(base, "start"),
+            self.http.post(base + path, json=body, headers=headers) as response,
+        ):
             if not streamed or response.status != 200:
                 parsed = await self.check_status(reply, f"start {reply.route}", response, anthropic)
                 if parsed is None:
@@ -466,7 +489,10 @@ class Driver:
             )
             if ending is None and not self.resumable(reply):
                 reply.cancel_asked = True  # its reader leaves: it stops (none may come back)
-        if ending is None and self.resumable(reply):
+        if base in self.run.dead and reply.reply_id is None:
+            return  # killed before it answered
+        if ending in (None, "killed") and self.resumable(reply):
+            # Cut by its reader, or by its server's death: read on, on a server alive.
             await self.pause(reply, rng)
             await self.resume_chain(reply, rng, last, rng.randint(0, 3))
 
@@ -526,8 +552,10 @@ class Driver:
     # --- resumes --------------------------------------------------------------------------
 
     async def resume_chain(self, reply: Reply, rng: random.Random, last: int, cuts: int) -> None:
-        """Resume after ``last``, cut again ``cuts`` times, then read to the end."""
-        for cut in range(cuts + 1):
+        """Resume after ``last``, cut again ``cuts`` times, then read to the end (on another
+        server when one is killed under a resume)."""
+        cut = 0
+        while cut <= cuts:
             stop_after = rng.randint(1, 10) if cut < cuts else None
             result = await self.bounded(
                 reply, "resume", self.resume_once(reply, rng, last, stop_after)
@@ -535,8 +563,11 @@ class Driver:
             if result is None:
                 return
             last, ending, status = result
+            if ending == "killed":
+                continue
             if ending is not None or status != 200:
                 return
+            cut += 1
             await self.pause(reply, rng)
 
     async def resume_once(
@@ -556,15 +587,20 @@ class Driver:
             if after or rng.random() < 0.5:
                 headers["Last-Event-ID"] = str(after)
             what = f"resume {reply.dialect}"
-        async with self.http.get(url, params=params, headers=headers) as response:
+        async with (
+            self.killed_or(base, what),
+            self.http.get(url, params=params, headers=headers) as response,
+        ):
             if response.status != 200:
                 await self.check_status(
                     reply, what, response, reply.dialect == "messages" and "replies" not in url
                 )
+                reply.refused.append(f"{what} {response.status} on {base}")
                 return after, None, response.status
             self.run.counts[f"{what} 200"] += 1
             last, ending = await self.read_stream(reply, response, after, stop_after, what)
             return last, ending, 200
+        return after, "killed", 0  # its server was killed before it answered
 
     async def join(self, reply: Reply, after: int) -> None:
         url = f"{reply.base}/v1/replies/{reply.reply_id}/stream"
@@ -632,10 +668,14 @@ class Driver:
             body = await self.check_status(reply, "poll", response, False)
             if not reply.stored and response.status != 404:
                 self.run.fail(reply, f"poll of a response not stored: {response.status}")
+            if body is None:
+                reply.refused.append(f"poll {response.status} on {base}")
         if body is None:
             return "gone" if base in self.run.dead else None
         self.check_object(reply, body, "poll")
         self.run.counts[f"poll status {body['status']}"] += 1
+        if body["status"] not in ("queued", "in_progress"):
+            reply.ends_told += 1
         return str(body["status"])
 
     @contextlib.asynccontextmanager
@@ -706,10 +746,12 @@ class Driver:
         cancel_after = rng.choice([None, None, rng.randint(0, 12)])
         last = 0
         seen = 0
-        async with self.http.ws_connect(base + "/v1/ws") as ws:
+        async with self.killed_or(base, "ws"), self.http.ws_connect(base + "/v1/ws") as ws:
             await ws.send_json(message)
             async for frame in ws:
                 if frame.type != aiohttp.WSMsgType.TEXT:
+                    if base in self.run.dead:
+                        break
                     self.run.fail(reply, f"ws frame {frame.type}")
                     return last, True
                 data = json.loads(frame.data)
@@ -749,6 +791,7 @@ class Driver:
         if kind not in ("done", "error", "moderated"):
             return seq, False
         reply.final_ids.add(seq)
+        reply.ends_told += 1
         ending = "complete"
         if kind == "error":
             ending = f"error:{data['data']['error']['code']}"
@@ -760,6 +803,28 @@ class Driver:
         return seq, True
 
     # --- after ----------------------------------------------------------------------------
+
+    def lost(self, reply: Reply) -> bool:
+        """A reply of a killed server that a server alive can still tell of: resumable, or
+        a stored response."""
+        return (
+            reply.base in self.run.dead
+            and reply.reply_id is not None
+            and not reply.deleted
+            and (self.resumable(reply) or (reply.dialect == "responses" and reply.stored))
+        )
+
+    async def read_lost(self, reply: Reply) -> None:
+        """On a server alive, after the run: read it to its end if none of its readers was
+        told it, and poll a stored response until it ends. Its producer gone, it must end
+        ``generator_lost`` (a response ``failed`` saying so) if it had not ended before."""
+        rng = random.Random(f"{self.run.seed}:{reply.seed}:lost")
+        if self.resumable(reply) and not reply.ends_told:
+            self.run.counts[f"lost {reply.route} resumed after"] += 1
+            await self.resume_chain(reply, rng, max(reply.texts, default=0), 0)
+        if reply.dialect == "responses" and reply.stored:
+            self.run.counts[f"lost {reply.route} polled after"] += 1
+            await self.poll_until_ended(reply, rng)
 
     def check_reply(self, reply: Reply) -> None:
         """Each choice's text in id order is a beginning of what the request makes; whole if
@@ -791,6 +856,8 @@ class Driver:
                 self.run.fail(reply, f"choice {choice} told complete with {text!r}: {expect}")
         if reply.odd_endings and not reply.left_alone:
             self.run.fail(reply, f"ended oddly with nobody stopping it: {reply.odd_endings}")
+        if self.lost(reply) and not reply.ends_told:
+            self.run.fail(reply, f"its server killed, its end was never told: {reply.refused}")
         if len(reply.final_ids) > 1:
             self.run.fail(reply, f"several terminal events: {sorted(reply.final_ids)}")
 
@@ -897,6 +964,10 @@ async def run(
             if kill is not None:
                 group.create_task(kill_later(result, kill))
         result.counts["wall ms"] = int((time.monotonic() - began) * 1000)
+        async with asyncio.TaskGroup() as group:
+            for reply in result.replies:
+                if driver.lost(reply):
+                    group.create_task(driver.read_lost(reply))
         for reply in result.replies:
             driver.check_reply(reply)
         live = {url: values for url, values in baseline.items() if url not in result.dead}

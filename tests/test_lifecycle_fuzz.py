@@ -59,8 +59,9 @@ async def fuzz(
     failures = result.failures + [
         f"server log: {line}" for log in logs for line in log_problems(log.read_text())
     ]
-    endings = {k: v for k, v in sorted(result.counts.items()) if k.startswith("ending")}
-    print(f"lifecycle seed {seed}: {len(result.replies)} replies; {endings}")
+    shown = ("ending", "lost") if not failures else ("",)
+    counts = {k: v for k, v in sorted(result.counts.items()) if k.startswith(shown)}
+    print(f"lifecycle seed {seed}: {len(result.replies)} replies; {counts}")
     assert not failures, "\n".join(failures[:20])
     assert len(result.replies) == CLIENTS * EPISODES
 
