@@ -9,6 +9,11 @@ A reply that fails, is cancelled or stops for want of a reader sends what it hel
 end, where no stop string can complete: the start of one then goes out too.
 And what each dialect's events say of text, finish and log probabilities, read the same way
 for every reader.
+
+The servers make ``REPLY_TEXT``: the simulated engine's own, but for two words thousands of
+characters long, so that a reply of more than a few tokens is more than a narrow client's
+buffers hold (``tests/narrow_link``), and one that stops reading holds up the server's writes
+and falls a long word behind.
 """
 
 from __future__ import annotations
@@ -23,10 +28,29 @@ from replystream.engine.simulated import DEFAULT_REPLY, reply_of_length
 BANNED = "first piece exists"
 BANNED_TOKENS = 3
 MAX_TOKENS = 48
+# Words made long, by index (both before the banned phrase, so a moderated reply has them):
+# a reader that stops reading before the first holds up the server's writes by the time it
+# is sent, and is more than the servers' --slow-client-bytes behind once the second is made.
+LONG_WORDS = {17: 9000, 29: 6000}
+SLOW_CLIENT_BYTES = 4096
+
+
+def long_word(word: str, size: int) -> str:
+    return (word + "".join(f"-{n:04d}" for n in range(size // 5)))[:size]
+
+
+def reply_text() -> str:
+    words = DEFAULT_REPLY.split()
+    for index, size in LONG_WORDS.items():
+        words[index] = long_word(words[index], size)
+    return " ".join(words)
+
+
+REPLY_TEXT = reply_text()
 
 
 def reference(max_tokens: int) -> str:
-    return reply_of_length(DEFAULT_REPLY, max_tokens) + " "
+    return reply_of_length(REPLY_TEXT, max_tokens) + " "
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,12 @@ Many clients at once, each drawing (from its own seeded random source) a route t
 reply on, how much of it to read before cutting the connection, and what else to do to the
 reply meanwhile from other connections: resume it, cancel it, delete it, poll it, read it
 again from an earlier event. Every route, the WebSocket's too, draws batching and a
-moderation hold-back window, and the servers ban a phrase. Every reader's events are
-checked as they come:
+moderation hold-back window, and the servers ban a phrase. Now and then a reply's first
+reader is narrow (``tests/narrow_link``: a few KB of buffers between it and the server) and
+stops keeping up early, stalling or trickling, until the server cuts it as a slow client:
+it must then be told so in its dialect (``slow_client``) and its stream end there (a
+WebSocket: the reply's ``error``, a close frame 1008), and the reply goes on for the others
+(a resume after the cut finds it whole). Every reader's events are checked as they come:
 
 - ids (and a response's sequence numbers) go up by one within a stream, from where it
   started; only an ending the reader itself was told (no id of its own) repeats the last;
@@ -38,14 +42,16 @@ import contextlib
 import json
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from replystream.sse import EventParser
 from tests.lifecycle_expect import (
+    LONG_WORDS,
     MAX_TOKENS,
     Expected,
     expected,
@@ -57,8 +63,13 @@ from tests.lifecycle_expect import (
     reference,
     response_finish,
 )
+from tests.narrow_link import NarrowResponse, RawWebSocket
 
 HANG_S = 30.0  # no request of the driver may take longer than this
+# How long a narrow reader keeps from reading (or reads a few bytes at a time): longer than
+# the servers' --slow-client-s (1 s) and the time its buffers take to fill.
+NARROW_S = 1.6
+NARROW_SHARE = 0.08  # of the replies streamed (the WebSocket's too)
 
 
 ROUTES = (
@@ -104,6 +115,7 @@ class Reply:
     base: str = ""  # the server that started it
     body: str = ""  # the request that started it, for a failure's report
     left_alone: bool = False  # a resume came after a pause that may outlast the detach grace
+    narrow: str | None = None  # its first reader is narrow and "stall"s or "trickle"s
     ends_told: int = 0  # readers (and polls) told how it ended, however it ended
     refused: list[str] = field(default_factory=list)  # requests about it answered 4xx
 
@@ -242,13 +254,30 @@ class Driver:
         """Read SSE events into ``reply`` until its end or ``stop_after`` events; return the
         last id read and how the stream ended (None: cut by us, or it just ended)."""
         where = f"{response.url.scheme}://{response.url.host}:{response.url.port}"
+        chunks = response.content.iter_any()
+        return await self.read_events(reply, chunks, where, after, stop_after, what, joined)
+
+    async def read_events(
+        self,
+        reply: Reply,
+        chunks: AsyncIterator[bytes],
+        where: str,
+        after: int,
+        stop_after: int | None,
+        what: str,
+        joined: bool = False,
+        narrow: bool = False,
+    ) -> tuple[int, str | None]:
+        """``read_stream`` of a body's chunks, read from ``where``; ``narrow``: a reader the
+        server may cut as a slow client. A stream its server was killed under ends
+        ``killed``."""
         parser = EventParser()
         last = after
         seen = 0
         dialect = reply.dialect
         read: list[str] = []  # the stream's events as id:type, for a failure's report
         lost_told: str | None = None  # a Responses reader told its producer is gone
-        async for chunk in self.unless_killed(response.content.iter_any(), where):
+        async for chunk in self.unless_killed(chunks, where):
             for event in parser.feed(chunk):
                 read.append(f"{event.id}:{event.type}")
                 raw = event.data
@@ -314,6 +343,7 @@ class Driver:
                         reply.deleted
                         or ending.startswith("error:reply_stopped")
                         or (reply.base in self.run.dead and "generator_lost" in ending)
+                        or (narrow and ending == "error:slow_client")
                     ):
                         reply.odd_endings.append(f"{what}: {ending}")
                     self.run.counts[f"ending {dialect} {ending}"] += 1
@@ -425,6 +455,9 @@ class Driver:
     async def episode(self, reply: Reply, rng: random.Random) -> None:
         """Start the reply, act on it from other connections meanwhile, check it after."""
         self.run.replies.append(reply)
+        if reply.narrow and not self.resumable(reply):
+            # Its reader cut as a slow client, it stops as when its client leaves.
+            reply.cancel_asked = True
         if reply.route == "ws":
             await self.ws_episode(reply, rng)
             return
@@ -464,6 +497,9 @@ class Driver:
         rng: random.Random,
         got_id: asyncio.Event,
     ) -> None:
+        if reply.narrow:
+            await self.start_narrow(reply, base, path, body, rng, got_id)
+            return
         anthropic = reply.dialect == "messages"
         headers = ANTHROPIC_HEADERS if anthropic else {}
         streamed = reply.route in STREAMED
@@ -495,6 +531,103 @@ class Driver:
             # Cut by its reader, or by its server's death: read on, on a server alive.
             await self.pause(reply, rng)
             await self.resume_chain(reply, rng, last, rng.randint(0, 3))
+
+    async def start_narrow(
+        self,
+        reply: Reply,
+        base: str,
+        path: str,
+        body: dict[str, Any],
+        rng: random.Random,
+        got_id: asyncio.Event,
+    ) -> None:
+        """Start a streamed reply read on a narrow connection (``read_narrow``); cut there
+        as a slow client, a reply that may be resumed goes on: a resume finds it whole."""
+        last, ending = await self.read_narrow(reply, base, path, body, got_id)
+        if ending in (None, "killed", "error:slow_client") and self.resumable(reply):
+            await self.pause(reply, rng)
+            await self.resume_chain(reply, rng, last, rng.randint(0, 1))
+
+    async def read_narrow(
+        self, reply: Reply, base: str, path: str, body: dict[str, Any], got_id: asyncio.Event
+    ) -> tuple[int, str | None]:
+        """POST the reply on a narrow connection whose reader soon stops keeping up
+        (``narrow_chunks``), so that the server cuts it as a slow client: then it must be
+        told so in its dialect (``slow_client``), and its body end there, cleanly. Or the
+        reply's end was queued before the cut: then it has the whole reply. The last id
+        read and how the stream ended."""
+        what = f"narrow {reply.route}"
+        headers = dict(ANTHROPIC_HEADERS) if reply.dialect == "messages" else {}
+        host, port = urlsplit(base).hostname or "", urlsplit(base).port or 0
+        last, ending = 0, None
+        try:
+            response = await NarrowResponse.request(
+                host, port, "POST", path, json.dumps(body).encode(), headers
+            )
+        except ConnectionError:
+            if base not in self.run.dead:
+                raise
+            return 0, "killed"
+        try:
+            if response.status != 200:
+                self.run.fail(reply, f"{what}: {response.status}")
+                return 0, "bad"
+            reply.reply_id = response.headers.get("x-reply-id")
+            got_id.set()
+            self.run.counts[f"start {reply.route} narrow 200"] += 1
+            chunks = self.narrow_chunks(reply, response)
+            try:
+                last, ending = await self.read_events(
+                    reply, chunks, base, 0, None, what, narrow=True
+                )
+            except ConnectionError as exc:  # not its server killed (``unless_killed``)
+                self.run.fail(reply, f"{what}: the body {exc}")
+                return last, "bad"
+            finally:
+                await chunks.aclose()
+            self.run.counts[f"{what} {reply.narrow} ending {ending}"] += 1
+            if ending not in (None, "killed", "eof", "bad"):
+                try:
+                    rest = b""
+                    while data := await response.read():
+                        rest += data
+                except ConnectionError as exc:
+                    if base not in self.run.dead:
+                        self.run.fail(reply, f"{what}: after {ending}, the body {exc}")
+                else:
+                    if rest.strip():
+                        self.run.fail(reply, f"{what}: after {ending}: {rest[:300]!r}")
+        finally:
+            await response.close()
+        return last, ending
+
+    async def narrow_chunks(
+        self, reply: Reply, response: NarrowResponse
+    ) -> AsyncGenerator[bytes, None]:
+        """A narrow reader's body: read at once up to a point early in the reply, then for
+        ``NARROW_S`` read not at all (``stall``) or a few bytes at a time (``trickle``),
+        then at once to its end."""
+        rng = random.Random(f"{self.run.seed}:{reply.seed}:narrow")
+        loop = asyncio.get_running_loop()
+        keeps_up = rng.randint(0, 600)  # bytes read before it stops keeping up
+        while keeps_up > 0:
+            data = await response.read(keeps_up)
+            if not data:
+                return
+            keeps_up -= len(data)
+            yield data
+        until = loop.time() + NARROW_S
+        while (left := until - loop.time()) > 0:
+            if reply.narrow == "stall":
+                await asyncio.sleep(left)
+                continue
+            data = await response.read(64)
+            if not data:
+                return
+            yield data
+            await asyncio.sleep(0.02)
+        while data := await response.read():
+            yield data
 
     async def pause(self, reply: Reply, rng: random.Random) -> None:
         """A short pause before a resume, or now and then one about the detach grace long."""
@@ -731,7 +864,11 @@ class Driver:
         reply.window = extra.get("holdback_tokens", 0)
         message.update(extra)
         reply.body = json.dumps(message)
-        result = await self.bounded(reply, "ws", self.ws_read(reply, rng, base, message))
+        if reply.narrow:
+            read = self.ws_read_narrow(reply, base, message)
+        else:
+            read = self.ws_read(reply, rng, base, message)
+        result = await self.bounded(reply, "ws", read)
         if result is None:
             return
         last, ended = result
@@ -801,6 +938,73 @@ class Driver:
             reply.odd_endings.append(f"ws: {ending}")
         self.run.counts[f"ending ws {ending}"] += 1
         return seq, True
+
+    async def ws_read_narrow(
+        self, reply: Reply, base: str, message: dict[str, Any]
+    ) -> tuple[int, bool]:
+        """A WebSocket on a narrow connection that reads nothing (or a frame at a time,
+        slowly) for ``NARROW_S`` after its first frames: the server cuts it as a slow
+        client, and then it must get the reply's ``error`` (``slow_client``), a close frame
+        (1008, ``slow_client``), and the end of the connection. Or the whole reply."""
+        rng = random.Random(f"{self.run.seed}:{reply.seed}:narrow")
+        parts = urlsplit(base)
+        try:
+            ws = await RawWebSocket.connect(parts.hostname or "", parts.port or 0, "/v1/ws")
+        except ConnectionError:
+            if base not in self.run.dead:
+                raise
+            return 0, False
+        last, ended, told = 0, False, ""
+        loop = asyncio.get_running_loop()
+        keeps_up = rng.randint(0, 3)  # frames read before it stops keeping up
+        until: float | None = None
+        try:
+            ws.send_json(message)
+            while True:
+                if until is None and keeps_up <= 0:
+                    until = loop.time() + NARROW_S
+                    if reply.narrow == "stall":
+                        await asyncio.sleep(NARROW_S)
+                elif until is not None and loop.time() < until:
+                    await asyncio.sleep(0.05)  # a frame at a time
+                keeps_up -= 1
+                opcode, payload = await ws.receive()
+                if opcode == 1:
+                    data = json.loads(payload)
+                    if "seq" in data:
+                        if ended or told:
+                            self.run.fail(reply, f"narrow ws: {data} after {told or 'the end'}")
+                        last, ended = self.ws_message(reply, data, last)
+                    elif data["type"] == "error" and not told:
+                        told = data["data"]["error"]["code"]
+                        self.run.counts[f"narrow ws {reply.narrow} told {told}"] += 1
+                        if told != "slow_client":
+                            self.run.fail(reply, f"narrow ws: {data}")
+                    else:
+                        self.run.fail(reply, f"narrow ws: {data} after {told}")
+                elif opcode == 8:
+                    code = int.from_bytes(payload[:2], "big") if len(payload) >= 2 else None
+                    self.run.counts[f"narrow ws {reply.narrow} closed {code}"] += 1
+                    if not told or (code, payload[2:]) != (1008, b"slow_client"):
+                        self.run.fail(reply, f"narrow ws: closed {code} {payload[2:]!r}")
+                    if (await ws.receive())[0] != -1:
+                        self.run.fail(reply, "narrow ws: a frame after the close")
+                    return last, ended
+                elif opcode == -1:
+                    if base not in self.run.dead:
+                        self.run.fail(reply, f"narrow ws: the end, not closed, after {last}")
+                    return last, ended
+                elif opcode not in (9, 10):
+                    self.run.fail(reply, f"narrow ws: frame {opcode}")
+                if ended and not told:
+                    self.run.counts[f"narrow ws {reply.narrow} whole"] += 1
+                    return last, True  # whole before any cut: it leaves
+        except ConnectionError as exc:
+            if base not in self.run.dead:
+                self.run.fail(reply, f"narrow ws: {exc} after {last} ({told})")
+            return last, ended
+        finally:
+            await ws.close()
 
     # --- after ----------------------------------------------------------------------------
 
@@ -887,9 +1091,12 @@ def draw_options(reply: Reply, rng: random.Random) -> None:
     several choices, log probabilities."""
     if rng.random() < 0.25:
         text = reference(MAX_TOKENS)
+        starts = [0, *(at + 1 for at, char in enumerate(text) if char == " ")][:-1]
         stops = []
         for _ in range(rng.randint(1, 2)):
-            at = rng.randrange(len(text))
+            # From near a word's start, as likely in a long word as in any other.
+            at = rng.choice(starts)
+            at += rng.randrange(min(text.index(" ", at) - at + 1, 8))
             stop = text[at : at + rng.randint(1, 10)]
             if stop.strip():
                 stops.append(stop)
@@ -908,6 +1115,11 @@ async def client(driver: Driver, n: int, episodes: int) -> None:
         resumable = route in ("native", "chat", "messages", "ws") and rng.random() < 0.7
         reply = Reply(f"{n}.{e}", route, rng.randint(1, MAX_TOKENS), resumable)
         draw_options(reply, rng)
+        if route in (*STREAMED, "ws") and rng.random() < NARROW_SHARE:
+            # Its reader stops keeping up early: a reply with both long words, more than a
+            # narrow link holds, is cut for it.
+            reply.narrow = rng.choice(["stall", "trickle"])
+            reply.max_tokens = rng.randint(max(LONG_WORDS) + 1, MAX_TOKENS)
         await driver.episode(reply, rng)
         await asyncio.sleep(rng.uniform(0, 0.05))
 

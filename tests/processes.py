@@ -11,14 +11,18 @@ from replystream.lab.local_server import READY_PREFIX, stop_process
 
 
 async def launch(
-    *args: str, stderr: int | None = None, env: Mapping[str, str] | None = None
+    *args: str,
+    stderr: int | None = None,
+    env: Mapping[str, str] | None = None,
+    module: str = "replystream",
 ) -> asyncio.subprocess.Process:
     """``replystream serve --port 0 ARGS`` started, its stdout ours to read (and its stderr,
-    with ``stderr=asyncio.subprocess.PIPE``)."""
+    with ``stderr=asyncio.subprocess.PIPE``); run as ``python -m MODULE``, a module of the
+    tests that runs it in a way of its own (``tests.narrow_link``)."""
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "replystream",
+        module,
         "serve",
         "--port",
         "0",

@@ -1,8 +1,10 @@
 """Reply lifecycles interleaved at random against one real server process (the driver:
 ``tests/lifecycle_fuzz.py``): streams started on every route and cut, resumed, joined,
-cancelled, deleted and polled from other connections at random moments. Every reader's
-text is the engine's, no event id repeats or goes missing within a stream, nothing is
-answered with a 5xx or left unanswered, the server logs no error, and its gauges come back.
+cancelled, deleted and polled from other connections at random moments, some read on a
+narrow link by a reader that stops keeping up until the server cuts it as a slow client.
+Every reader's text is the engine's, no event id repeats or goes missing within a stream,
+nothing is answered with a 5xx or left unanswered, the server logs no error, and its gauges
+come back.
 
 The seed is fixed, so every run draws the same plans (the loop's timing still varies);
 ``REPLYSTREAM_LIFECYCLE_SEED`` draws others, to look further or to replay a failure found so.
@@ -17,15 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.lifecycle_expect import BANNED
+from tests.lifecycle_expect import BANNED, REPLY_TEXT, SLOW_CLIENT_BYTES
 from tests.lifecycle_fuzz import Kill, log_problems, run
 from tests.processes import launch, ready_url, stop
 from tests.redis_server import redis_server
 
-# Fast tokens; a detach grace short enough that some resumes come after it.
+# Fast tokens; a detach grace short enough that some resumes come after it; slow-client
+# limits that a narrow reader which stops keeping up passes within the reply (none other
+# ever has a write wait: loopback's buffers are megabytes).
 SERVE = (
     *("--engine", "simulated", "--delay-ms", "3", "--jitter-ms", "1", "--detach-grace-s", "1"),
-    *("--ban", BANNED),
+    *("--reply-text", REPLY_TEXT, "--ban", BANNED),
+    *("--slow-client-bytes", str(SLOW_CLIENT_BYTES), "--slow-client-s", "1"),
 )
 CLIENTS, EPISODES = 40, 8
 SEED = 22  # fixed: every run draws the same plans (the loop's timing still varies)
@@ -45,7 +50,9 @@ async def fuzz(
     try:
         for log in logs:
             with log.open("wb") as errors:
-                processes.append(await launch(*SERVE, *extra, stderr=errors.fileno()))
+                processes.append(
+                    await launch(*SERVE, *extra, stderr=errors.fileno(), module="tests.narrow_link")
+                )
         urls = [await ready_url(process) for process in processes]
         kill = None
         if kill_one:
@@ -59,7 +66,7 @@ async def fuzz(
     failures = result.failures + [
         f"server log: {line}" for log in logs for line in log_problems(log.read_text())
     ]
-    shown = ("ending", "lost") if not failures else ("",)
+    shown = ("ending", "narrow", "lost") if not failures else ("",)
     counts = {k: v for k, v in sorted(result.counts.items()) if k.startswith(shown)}
     print(f"lifecycle seed {seed}: {len(result.replies)} replies; {counts}")
     assert not failures, "\n".join(failures[:20])
