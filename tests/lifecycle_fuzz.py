@@ -626,6 +626,7 @@ class Driver:
                 return
             yield data
             await asyncio.sleep(0.02)
+        response.widen()
         while data := await response.read():
             yield data
 
@@ -958,6 +959,7 @@ class Driver:
         loop = asyncio.get_running_loop()
         keeps_up = rng.randint(0, 3)  # frames read before it stops keeping up
         until: float | None = None
+        widened = False
         try:
             ws.send_json(message)
             while True:
@@ -967,6 +969,9 @@ class Driver:
                         await asyncio.sleep(NARROW_S)
                 elif until is not None and loop.time() < until:
                     await asyncio.sleep(0.05)  # a frame at a time
+                elif until is not None and not widened:
+                    ws.widen()  # from now on at full speed
+                    widened = True
                 keeps_up -= 1
                 opcode, payload = await ws.receive()
                 if opcode == 1:

@@ -56,6 +56,15 @@ async def narrow_connection(
     return await asyncio.open_connection(sock=sock, limit=READ_LIMIT)
 
 
+def widen(writer: asyncio.StreamWriter) -> None:
+    """Let a narrow connection's reader read at full speed: a receive buffer as small as
+    the kernel allows, once full, reopens only as far as the sender's zero-window probes
+    find it (loopback's segments are 64 KiB), a few hundred bytes a second at their backoff,
+    and the server gives up on the last bytes of a reader it cut well before they arrive."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+
+
 class NarrowResponse:
     """One HTTP/1.1 request on a narrow connection, its body read only when asked (aiohttp's
     client, its read buffer made as small, was seen to stop taking a paused chat stream
@@ -121,6 +130,9 @@ class NarrowResponse:
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             raise ConnectionError(f"the body was cut short: {exc!r}") from None
 
+    def widen(self) -> None:
+        widen(self.writer)
+
     async def close(self) -> None:
         self.writer.close()
         try:
@@ -154,6 +166,9 @@ class RawWebSocket:
             writer.close()
             raise ConnectionError(f"no upgrade: {head[:200]!r}")
         return cls(reader, writer)
+
+    def widen(self) -> None:
+        widen(self.writer)
 
     def send_json(self, message: dict[str, Any]) -> None:
         payload = json.dumps(message).encode()
