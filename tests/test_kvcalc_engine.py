@@ -16,6 +16,7 @@ from replystream.engine.gguf_file import open_gguf
 from replystream.engine.kv_cache import OutOfBlocks, PagedKVCache
 from replystream.engine.model import ModelConfig
 from replystream.engine.tiny import ASSETS
+from replystream.lab.kvcalc import PRESETS
 from tests.services import require_smollm2
 
 
@@ -114,3 +115,13 @@ def test_a_bad_block_size_is_one_line_naming_the_flag(capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--block-size" in err
+
+
+def test_the_smollm2_preset_is_the_installed_models_shape():
+    shape, preset = smollm2_shape(), PRESETS["smollm2-135m"]
+    assert (preset.layers, preset.kv_heads, preset.head_dim, preset.context) == (
+        shape.n_layers,
+        shape.n_kv_heads,
+        shape.head_dim,
+        shape.context,
+    )

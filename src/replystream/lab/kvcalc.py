@@ -78,6 +78,9 @@ PRESETS: dict[str, ModelShape] = {
         # hidden 3584, 28 query heads, 4 KV heads; no window (use_sliding_window is false);
         # context as in Qwen2-7B-Instruct's config (longer contexts need YaRN scaling)
         ModelShape("qwen2-7b", 28, 4, 128, 32768, 7.62),
+        # hidden 576, 9 query heads, 3 KV heads: SmolLM2-135M-Instruct, the model ``serve``
+        # runs by default (whose cache is float32 there: ``--dtype fp32 --block-size 16``)
+        ModelShape("smollm2-135m", 30, 3, 64, 8192, 0.135),
     )
 }
 
@@ -220,7 +223,7 @@ def render(result: dict[str, Any]) -> str:
         if size is None:
             left_out = "weights, activations and fragmentation"
         lines.append(
-            f"in {_amount(q['memory_gib'])} GiB:     {pool}"
+            f"{'in ' + _amount(q['memory_gib']) + ' GiB:':<14} {pool}"
             f"{result['sequences_that_fit']:,} full-length"
             f" sequence{'' if result['sequences_that_fit'] == 1 else 's'}"
             f" ({result['tokens_that_fit']:,} tokens), before {left_out}"
