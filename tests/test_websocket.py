@@ -18,6 +18,7 @@ from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, native, running, serving
 from replystream.server.auth import KEY_RING
 from replystream.server.context import LOCAL_STORE_KEY, METRICS_KEY
+from replystream.server.guard import GATE_KEY
 from replystream.server.guard_config import GuardConfig
 from replystream.server.server_config import ServerConfig
 from replystream.server.websocket import CLOSE_TIMEOUT_S, Session
@@ -1018,3 +1019,44 @@ async def test_an_offered_subprotocol_is_not_echoed_and_not_logged(
             # without the header (echoing one would claim to speak it).
             assert b"sec-websocket-protocol" not in head.lower()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+async def next_of(ws: aiohttp.ClientWebSocketResponse, tag: str, *types: str) -> Any:
+    """The next message for ``tag`` (of one of ``types``, when given); others are skipped."""
+    async with asyncio.timeout(10):
+        while True:
+            message = await ws.receive_json()
+            if message["id"] == tag and (not types or message["type"] in types):
+                return message
+
+
+async def test_a_socket_runs_no_more_replies_at_once_than_its_client_may_have_requests():
+    """--max-concurrent-per-client holds on a WebSocket as over HTTP: the socket is one open
+    request, and each reply running on it past its first is one more. A client held to two
+    requests at once ran eight replies at once over one socket (--ws-max-replies), and was
+    let make an HTTP request beside them."""
+    config = ServerConfig(guard=GuardConfig(max_concurrent=2))
+    app = create_app(fast_engine(delay_ms=20.0, jitter_ms=0.0), config)
+    gate = app[GATE_KEY]
+    long = {"prompt": "x", "max_tokens": 500}
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            for tag in ("a", "b"):  # the socket with its first reply; the second reply
+                await ws.send_json({"type": "reply", "id": tag, **long})
+                assert (await next_of(ws, tag))["type"] == "reply"
+            await ws.send_json({"type": "reply", "id": "c", **long})
+            refused = await next_of(ws, "c")
+            async with http.post(f"{url}/v1/replies", json={"prompt": "x"}) as over_http:
+                status = over_http.status
+            await ws.send_json({"type": "cancel", "id": "b"})
+            await next_of(ws, "b", "error")
+            await wait_for(lambda: sum(gate.open.values()) == 1)  # the socket with reply a
+            # The room b held is free again, for another reply on the socket.
+            await ws.send_json({"type": "reply", "id": "d", "prompt": "x", "max_tokens": 2})
+            ended = await next_of(ws, "d", "done", "error")
+    assert refused["type"] == "error", refused
+    assert refused["data"]["error"]["code"] == "rate_limited"
+    assert refused["data"]["retry_after"] >= 1
+    assert status == 429
+    assert ended["type"] == "done", ended
+    await wait_for(lambda: not gate.open)  # the socket closed: nothing of it is counted

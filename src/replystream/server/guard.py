@@ -158,7 +158,8 @@ class ClientGate:
 
     def spend(self, identity: str, now: float) -> float | None:
         """One request of ``identity``'s rate: None if it may go (counted), else seconds to
-        wait. Each reply a WebSocket starts is one too, the socket being one open request."""
+        wait. Each reply a WebSocket starts is one too (the socket is one open request, and
+        each reply running beside its first one more: ``websocket.Session._admit``)."""
         if not self.per_minute:
             return None
         rate = self.per_minute / 60.0

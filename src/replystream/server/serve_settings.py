@@ -160,7 +160,8 @@ CLIENT_LIMITS = Group(
     (
         Setting(
             "--max-concurrent-per-client",
-            "open requests per API key (or per address with auth off); more get 429",
+            "open requests per API key (or per address with auth off), a WebSocket's replies "
+            "running at once past its first counting one each; more get 429",
             non_negative_int,
             fills=(GuardConfig, "max_concurrent"),
         ),

@@ -20,7 +20,8 @@ Rules:
    finish within ``slow_client_s``, or a reply whose unsent backlog passes its follower's
    byte limit (``slow_client_bytes`` past the least it has had), closes the socket (code
    1008, reason ``slow_client``).
-4. At most ``ServerConfig.ws_max_replies`` replies run on one socket. A socket that has sent
+4. At most ``ServerConfig.ws_max_replies`` replies run on one socket, and no more than its
+   client's per-client limits allow (``Session._admit``). A socket that has sent
    nothing for ``keepalive_s`` is pinged; a ping not answered within ``slow_client_s`` cuts
    it as rule 3 does (``ws_transport.SocketKeepalive``). aiohttp's own heartbeat is not used:
    it pings whatever is being sent, and drops a reader merely behind its replies.
@@ -158,6 +159,10 @@ class Session:
         self.manager: ReplyManager = request.app[MANAGER_KEY]
         self.policy: DeliveryPolicy = self.config.policy
         self.running: dict[str, _Running] = {}
+        # Reply tasks not done yet, and whom each room they hold past the socket's own is
+        # counted against (``_admit``): one fewer than the tasks, or none.
+        self._replies = 0
+        self._rooms: list[str] = []
         self._send_lock = asyncio.Lock()
         self._group: asyncio.TaskGroup | None = None  # while ``run`` runs
         self._pinging: asyncio.Task[None] | None = None
@@ -321,6 +326,11 @@ class Session:
             pass  # the client left while a reply was being sent; its readers have stopped
         finally:
             self._group = None
+            # Every reply task is done by now; a room taken for one that never began (its
+            # task refused by a group already stopping) is given back here.
+            gate = self.request.app[GATE_KEY]
+            while self._rooms:
+                gate.release(self._rooms.pop())
 
     async def _keep_alive(self, keepalive: SocketKeepalive) -> None:
         """Ping the socket when idle; cut it (as a slow client) when a ping goes unanswered."""
@@ -420,14 +430,39 @@ class Session:
             caller=caller_of(self.request),
             model=routed_model(self.request.app, message.model),
         )
-        # Each reply is a request of its client's --requests-per-minute (the socket is one
-        # open request; --ws-max-replies bounds the replies at once on it).
-        wait = self.request.app[GATE_KEY].spend(identity_of(self.request), time.monotonic())
-        if wait is not None:
-            raise HTTPAPIError(429, RATE_LIMITED, code="rate_limited", retry_after_s=wait)
+        self._admit()
         task = group.create_task(self._reply(tag, ask), name=f"ws-reply-{tag[:16]}")
         task.add_done_callback(forget_cancellation)
+        task.add_done_callback(self._reply_over)
         self.running[tag] = _Running(task)
+
+    def _admit(self) -> None:
+        """Count a reply about to start against its client's limits, as HTTP counts a
+        request: one more of its --requests-per-minute; and, past the first reply running on
+        the socket, one more of its --max-concurrent-per-client (the socket is one open
+        request, its first reply's), so a socket runs no more replies at once than its
+        client could over HTTP. The room is given back as replies end (``_reply_over``).
+
+        Raises:
+            HTTPAPIError: the ``429`` of a client at either limit.
+        """
+        gate = self.request.app[GATE_KEY]
+        identity, now = identity_of(self.request), time.monotonic()
+        another = bool(gate.max_concurrent and self._replies)
+        wait = gate.admit(identity, now) if another else gate.spend(identity, now)
+        if wait is not None:
+            raise HTTPAPIError(429, RATE_LIMITED, code="rate_limited", retry_after_s=wait)
+        if another:
+            self._rooms.append(identity)
+        self._replies += 1
+
+    def _reply_over(self, task: asyncio.Task[None]) -> None:
+        """A reply's task is done (ended, or cancelled before it ran): the room it took past
+        the socket's own is free again, so a socket counts as many requests as it runs
+        replies, and never fewer than one."""
+        self._replies -= 1
+        if len(self._rooms) > max(0, self._replies - 1):
+            self.request.app[GATE_KEY].release(self._rooms.pop())
 
     def _cancel(self, tag: str) -> None:
         running = self.running.get(tag)
