@@ -279,6 +279,13 @@ CASES: list[tuple[list[str], str]] = [
         ["serve", "--engine", "simulated", "--port", "0", "--holdback-tokens", "4097"],
         "argument --holdback-tokens: want a whole number from 0 to 4096, got 4097",
     ),
+    # a window for checks that are not there: every token delayed, for nothing to read it
+    (
+        ["serve", "--engine", "simulated", "--port", "0", "--holdback-tokens", "4"],
+        "--holdback-tokens 4 holds tokens back for moderation checks to read, and none is "
+        "given (--ban, --ban-file, --ban-regex, --block-secrets): add one, or drop "
+        "--holdback-tokens",
+    ),
     # Past what Redis takes as an expiry (every resumable reply failed), aiohttp's parser as a
     # C size (every connection dropped), or any orchestrator's wait for a stopping process
     (

@@ -90,6 +90,14 @@ def build_engine(args: argparse.Namespace) -> Engine:
 def build_config(args: argparse.Namespace) -> ServerConfig:
     """Server configuration from the command line; raises ValueError on bad values."""
     checks = tuple(build_checks(args))
+    if args.holdback_tokens and not checks:
+        # The window is for checks to read the text before it leaves: with none, it would
+        # only delay every token (and a request's own window stays the request's to ask).
+        raise ValueError(
+            f"--holdback-tokens {args.holdback_tokens} holds tokens back for moderation "
+            "checks to read, and none is given (--ban, --ban-file, --ban-regex, "
+            "--block-secrets): add one, or drop --holdback-tokens"
+        )
     return settings.fill(
         ServerConfig,
         args,

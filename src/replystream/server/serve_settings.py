@@ -285,7 +285,8 @@ DELIVERY = Group(
         Setting(
             "--holdback-tokens",
             "tokens held back until moderation checks have seen them (0: a phrase of "
-            "several tokens is stopped at its last, the ones before it already sent)",
+            "several tokens is stopped at its last, the ones before it already sent); "
+            "refused without a check to read them",
             int_between(0, HOLDBACK_TOKENS_MAX),
             fills=(DeliveryPolicy, "holdback_tokens"),
         ),
