@@ -69,7 +69,8 @@ TINY_ENGINE = Group(
         Setting(
             "--default-max-tokens",
             "reply length when a request sets no max_tokens (tiny, hf; smollm2 and gguf: 512), "
-            "at most the largest max_tokens a request may ask",
+            "at most the largest max_tokens a request may ask; a legacy /v1/completions "
+            "request's is 16 whatever this says, as OpenAI's API has it",
             int_between(1, MAX_TOKENS_LIMIT),
             fills=(TinyEngineConfig, "default_max_tokens"),
             engines=(*TINY, "hf"),
