@@ -293,7 +293,9 @@ DELIVERY = Group(
         Setting(
             "--keepalive-s",
             "after this long with nothing sent, a keep-alive: an SSE comment (or the "
-            "dialect's ping event), a WebSocket ping (0: never)",
+            "dialect's ping event), a WebSocket ping (0: never); a relay's stream begins "
+            "only once an upstream has answered, so nothing leaves while it waits for room "
+            "(--upstream-queue-s) or for an upstream's answer to begin (--upstream-timeout-s)",
             float_between(KEEPALIVE_S_MIN, KEEPALIVE_S_MAX, zero="never"),
             fills=(DeliveryPolicy, "keepalive_s"),
             convert=_zero_is_never,
