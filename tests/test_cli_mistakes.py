@@ -269,7 +269,7 @@ CASES: list[tuple[list[str], str]] = [
     ),
     (
         ["serve", "--engine", "simulated", "--port", "0", "--batch-ms", "1e300"],
-        "argument --batch-ms: want a number from 0 to 60000, got 1e300",
+        "argument --batch-ms: want a number > 0 and <= 60000, got 1e300",
     ),
     (
         ["serve", "--engine", "simulated", "--port", "0", "--batch-tokens", "4097"],
@@ -278,6 +278,11 @@ CASES: list[tuple[list[str], str]] = [
     (
         ["serve", "--engine", "simulated", "--port", "0", "--holdback-tokens", "4097"],
         "argument --holdback-tokens: want a whole number from 0 to 4096, got 4097",
+    ),
+    # a window of no time: every token sent as it comes, as with none, --batch-tokens undone
+    (
+        ["serve", "--check", "--engine", "simulated", "--batch-tokens", "4", "--batch-ms", "0"],
+        "argument --batch-ms: want a number > 0 and <= 60000, got 0",
     ),
     # a window for checks that are not there: every token delayed, for nothing to read it
     (

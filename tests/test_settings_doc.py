@@ -136,10 +136,12 @@ def a_value(row: settings.Setting) -> tuple[str, Any]:
         path = Path(tempfile.mkdtemp()) / "script.json"
         path.write_text('[{"text": "hi "}, {"tool_call": {"name": "f", "arguments": "{}"}}]')
         return str(path), load_reply_script(path)
-    # "a number >= 0", "a whole number > 1", "a number from 0 to 60000", "a number from 0.1 to
-    # 3600, or 0 (never)": the bound's low end
+    # "a number >= 0", "a whole number > 1", "a number from 0 to 60000", "a number > 0 and <=
+    # 60000", "a number from 0.1 to 3600, or 0 (never)": the bound's low end
     number = re.fullmatch(
-        r"a (whole )?number (?:>=|>|from) ([0-9.]+)(?: to [0-9.]+)?(?:, or 0 \(\w+\))?", wants
+        r"a (whole )?number (?:>=|>|from) ([0-9.]+)(?: to [0-9.]+| and <= [0-9.]+)?"
+        r"(?:, or 0 \(\w+\))?",
+        wants,
     )
     assert number, f"{row.flag}: no sample value for {wants!r}"
     low = float(number.group(2))

@@ -278,8 +278,12 @@ DELIVERY = Group(
         ),
         Setting(
             "--batch-ms",
-            "or once the oldest waiting token is this old (alone: batch by time)",
-            float_between(0.0, BATCH_MS_MAX),
+            "or once the oldest waiting token is this old (alone: batch by time); more than "
+            "0: a window of 0 would send each token as it comes, as no window does, and undo "
+            "--batch-tokens",
+            # (A request may still ask 0, to send its tokens as they come on a server that
+            # batches: what it asks is then what it gets.)
+            float_between(0.0, BATCH_MS_MAX, strict=True),
             fills=(DeliveryPolicy, "batch_ms"),
         ),
         Setting(
