@@ -14,6 +14,7 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any, get_args
 
+import aiohttp
 import pytest
 
 from replystream.delivery.frame_transport import Ending as ReaderEnding
@@ -25,6 +26,7 @@ from tests.conftest import fast_engine, wait_for
 from tests.processes import launch, ready_url, stop
 from tests.rawhttp import RawResponse, raw_request
 from tests.scripted_engine import GroupedPushEngine
+from tests.test_websocket import client_frame, open_raw_websocket
 
 CHAT = [{"role": "user", "content": "x"}]
 
@@ -105,7 +107,8 @@ class AccessLog:
     """A server process's stderr, read as it comes; its access-log lines by request id."""
 
     def __init__(self, stream: asyncio.StreamReader) -> None:
-        self.lines: dict[str, dict[str, Any]] = {}
+        self.lines: dict[str, dict[str, Any]] = {}  # the last line of each request id
+        self.every: list[dict[str, Any]] = []  # (a WebSocket's replies share its request id)
         self._reading = asyncio.ensure_future(self._read(stream))
 
     async def _read(self, stream: asyncio.StreamReader) -> None:
@@ -114,6 +117,7 @@ class AccessLog:
             if found and text.startswith("{"):
                 line = json.loads(text)
                 self.lines[line["request_id"]] = line
+                self.every.append(line)
 
     async def line(self, request_id: str) -> dict[str, Any]:
         await wait_for(lambda: request_id in self.lines, timeout_s=15)
@@ -247,3 +251,132 @@ async def test_a_reader_cut_as_slow_says_slow_client(access_lines):
         await slow.aclose()
     line = access_lines()["slow"]
     assert (line["status"], line["outcome"], line["reason"]) == (200, "slow_client", "slow_client")
+
+
+# A WebSocket: a line for each ``reply`` message, once it has ended, and the socket's own.
+
+
+async def until_ended(ws: aiohttp.ClientWebSocketResponse, tag: str) -> list[str]:
+    """The messages of ``tag``'s reply as they came (others' set aside) until it has ended."""
+    mine: list[str] = []
+    async with asyncio.timeout(15):
+        while not mine or json.loads(mine[-1])["type"] not in ("done", "error", "moderated"):
+            text = await ws.receive_str()
+            if json.loads(text)["id"] == tag:
+                mine.append(text)
+    return mine
+
+
+async def until_token(ws: aiohttp.ClientWebSocketResponse, tag: str) -> None:
+    async with asyncio.timeout(15):
+        while True:
+            message = await ws.receive_json()
+            if message["id"] == tag and message["type"] == "token":
+                return
+
+
+async def test_each_reply_on_a_websocket_has_a_line_that_says_how_it_ended():
+    """One socket, each of its replies ending its own way: each has the line the same request
+    would have had over HTTP, under the socket's request id, with its tag and what it sent;
+    the socket's own line says how many replies it was asked for."""
+    ask = {"type": "reply", "prompt": "x"}
+    # Two replies at once are all its client may run (the socket is one request, each
+    # further reply running on it one more).
+    async with logged_server(*SERVER, "--max-concurrent-per-client", "2") as (_, url, log):
+        async with (
+            aiohttp.ClientSession() as http,
+            http.ws_connect(f"{url}/v1/ws", headers={"X-Request-Id": "socket"}) as ws,
+        ):
+            await ws.send_json({**ask, "id": "done", "max_tokens": 3})
+            done = await until_ended(ws, "done")
+            await ws.send_json({**ask, "id": "moderated", "max_tokens": LONG + 1})
+            await until_ended(ws, "moderated")
+            # Refused as it started (by the engine), and before (a field out of range).
+            await ws.send_json({**ask, "id": "refused", "min_tokens": 5, "max_tokens": 2})
+            refused = await until_ended(ws, "refused")
+            await ws.send_json({**ask, "id": "invalid", "max_tokens": -1})
+            await until_ended(ws, "invalid")
+            # Two running, a third over its client's limit; one stopped by a cancel message,
+            # one still running as its socket closes.
+            for tag in ("cancelled", "gone"):
+                await ws.send_json({**ask, "id": tag, "max_tokens": LONG})
+                await until_token(ws, tag)
+            await ws.send_json({**ask, "id": "limited"})
+            await until_ended(ws, "limited")
+            await ws.send_json({"type": "cancel", "id": "cancelled"})
+            await until_ended(ws, "cancelled")
+            # A resumable one goes on without its socket, for its client to come back to.
+            await ws.send_json({**ask, "id": "kept", "max_tokens": LONG, "resumable": True})
+            await until_token(ws, "kept")
+        await log.line("socket")  # the socket's line comes once every reply on it has ended
+    lines = [line for line in log.every if line["request_id"] == "socket"]
+    assert {(line["method"], line["path"]) for line in lines} == {("GET", "/v1/ws")}
+    *replies, socket_line = lines
+    said = {
+        line["tag"]: (line["status"], line["outcome"], line["reason"], line["reply_id"] is None)
+        for line in replies
+    }
+    assert said == {
+        "done": (200, "finished", None, False),
+        "moderated": (200, "moderated", "banned_phrase", False),
+        "refused": (400, "rejected", "invalid_value", True),
+        "invalid": (400, None, None, True),
+        "limited": (429, None, None, True),
+        "cancelled": (200, "cancelled", "cancelled", False),
+        "gone": ("client_gone", "cancelled", "client_gone", False),
+        "kept": ("client_gone", "detached", None, False),
+    }
+    by_tag = {line["tag"]: line for line in replies}
+    assert by_tag["done"]["reply_id"] == json.loads(done[0])["reply_id"]
+
+    # What each sent, as the metrics count it: each message one event, its frame's bytes
+    # (a head of 2 bytes under 126 of text, else 4); a refusal as its reply started is its
+    # one error message; a message refused before then counted nothing.
+    def frames(texts: list[str]) -> int:
+        return sum(len(text) + (2 if len(text) < 126 else 4) for text in texts)
+
+    assert (by_tag["done"]["events"], by_tag["done"]["bytes"]) == (len(done), frames(done))
+    assert (by_tag["refused"]["events"], by_tag["refused"]["bytes"]) == (1, frames(refused))
+    assert (by_tag["limited"]["events"], by_tag["limited"]["bytes"]) == (None, None)
+    assert all(line["ms"] >= 0 for line in replies)
+    assert (socket_line["status"], socket_line["outcome"], socket_line["replies"]) == (101, None, 8)
+    assert "tag" not in socket_line
+
+
+def socket_lines(caplog: pytest.LogCaptureFixture, request_id: str) -> dict[str, dict[str, Any]]:
+    """The access-log lines of a WebSocket's replies, by tag."""
+    found = [json.loads(r.getMessage()) for r in caplog.records if r.name == "replystream.access"]
+    mine = [line for line in found if line["request_id"] == request_id]
+    return {line["tag"]: line for line in mine if line.get("tag")}
+
+
+async def test_a_websocket_reply_that_failed_says_its_error_code(caplog):
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    async with (
+        running(create_app(fast_engine(fail_after=2))) as url,
+        aiohttp.ClientSession() as http,
+        http.ws_connect(f"{url}/v1/ws", headers={"X-Request-Id": "failing"}) as ws,
+    ):
+        await ws.send_json({"type": "reply", "id": "failed", "prompt": "x", "max_tokens": 20})
+        await until_ended(ws, "failed")
+        await wait_for(lambda: "failed" in socket_lines(caplog, "failing"))
+    line = socket_lines(caplog, "failing")["failed"]
+    said = (line["status"], line["outcome"], line["reason"])
+    assert said == (200, "errored", "generation_failed")
+
+
+async def test_a_websocket_reply_cut_as_slow_says_slow_client(caplog):
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    # 200 tokens of 128 KB pushed at once to a socket that reads nothing.
+    engine = GroupedPushEngine(["y" * (128 << 10)] * 200, group=200)
+    policy = DeliveryPolicy(slow_client_bytes=256 << 10, slow_client_s=600.0)
+    async with running(create_app(engine, ServerConfig(policy=policy))) as url:
+        _, writer = await open_raw_websocket(url, b"X-Request-Id: unread\r\n")
+        try:
+            writer.write(client_frame(b'{"type":"reply","id":"slow","prompt":"x"}'))
+            await wait_for(lambda: "slow" in socket_lines(caplog, "unread"), timeout_s=30)
+        finally:
+            writer.close()
+    line = socket_lines(caplog, "unread")["slow"]
+    assert (line["status"], line["outcome"], line["reason"]) == (200, "slow_client", "slow_client")
+    assert line["events"] >= 1 and line["bytes"] > 256 << 10

@@ -228,9 +228,17 @@ async def test_a_socket_is_logged_with_its_upgrade_status(caplog: pytest.LogCapt
         async with http.ws_connect(f"{url}/v1/ws") as ws:
             await ws.send_json({"type": "reply", "id": "a", "prompt": "x", "max_tokens": 2})
             assert (await read_until_ended(ws, {"a"}))[-1]["type"] == "done"
-        await wait_for(lambda: any(r.name == "replystream.access" for r in caplog.records))
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "replystream.access"]
-    assert [(line["path"], line["status"]) for line in lines] == [("/v1/ws", 101)]
+
+        def lines() -> list[dict[str, Any]]:
+            logged = (r for r in caplog.records if r.name == "replystream.access")
+            return [json.loads(r.getMessage()) for r in logged]
+
+        await wait_for(lambda: len(lines()) == 2)
+    # Its reply's line (its status as over HTTP), then the socket's.
+    assert [(line["path"], line["status"], line.get("tag")) for line in lines()] == [
+        ("/v1/ws", 200, "a"),
+        ("/v1/ws", 101, None),
+    ]
 
 
 @pytest.mark.parametrize("leaving", ["close", "reset"])

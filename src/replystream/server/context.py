@@ -276,13 +276,16 @@ async def start_reply(
     numbered: bool = True,
     context: str = "",
     dialect: str = "",
+    on_record: Callable[[ReplyRecord], None] | None = None,
 ) -> Reply:
     """Admit a generation and start producing it into a new reply log. ``resumable``: None
     takes the server's default; a stream without event ids (``numbered=False``) never is.
     ``context``: what the route keeps with the reply in its store (``ReplyInfo.context``);
     ``dialect``: the dialect a reader of it speaks before its first event is logged
     (``ReplyInfo.dialect``).
-    ``fmt`` as ``Choices``: several generations, one choice each, in one reply."""
+    ``fmt`` as ``Choices``: several generations, one choice each, in one reply.
+    ``on_record``: told the reply's record as soon as it is made, before any refusal (a
+    WebSocket's reply, which is not its request's, keeps its own account with it)."""
     app = request.app
     if resumable is None:
         resumable = app[CONFIG_KEY].resumable_by_default
@@ -291,6 +294,8 @@ async def start_reply(
     record = app[METRICS_KEY].record(endpoint, streamed=True)
     record.key = owner[:KEY_LABEL_CHARS]
     keep_account(request, record)  # refused as it starts: the record says so
+    if on_record is not None:
+        on_record(record)
     store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
     reply_id = ids.reply_id()
     stops, logprobs = generation.sampling.stop, generation.sampling.logprobs is not None

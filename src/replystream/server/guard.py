@@ -123,10 +123,44 @@ class Account(Protocol):
         ...
 
 
+class SocketReplyLine(Protocol):
+    """A WebSocket's ``reply`` message, as its own access-log line tells it (the socket's
+    request has one line for the socket, and one for each such message)."""
+
+    @property
+    def tag(self) -> str | None:
+        """The client's tag for it (None: refused before its tag was read)."""
+        ...
+
+    @property
+    def asked_at(self) -> float:
+        """When its message came (``time.monotonic``)."""
+        ...
+
+    @property
+    def line_status(self) -> int | str:
+        """Its status, as the same request over HTTP would have it."""
+        ...
+
+    @property
+    def reply_id(self) -> str | None: ...
+
+    @property
+    def sent(self) -> tuple[int, int] | None:
+        """The events and bytes its reply sent (None: nothing counted)."""
+        ...
+
+    def how_ended(self) -> tuple[str, str | None] | None:
+        """Its reply's outcome and reason, as ``Account.how_ended``; None: it made none."""
+        ...
+
+
 ACCOUNT = web.RequestKey("account", Account)  # set by the routes that start or read a reply
 # Set once a request was upgraded to a WebSocket: its status is 101 however the socket ends
 # (aiohttp cancels the handler when the peer's connection goes, before it returns).
 UPGRADED = web.RequestKey("upgraded", bool)
+# A WebSocket's ``reply`` messages so far, for its access-log line (``log_access``).
+SOCKET_REPLIES = web.RequestKey("socket_replies", int)
 
 
 class ClientGate:
@@ -311,27 +345,50 @@ def assign_request_id(request: web.Request) -> str:
 
 
 def log_access(request: web.Request, request_id: str, status: int | str, started: float) -> None:
-    """The request's one structured access-log line."""
-    access_log.info(
-        "%s",
-        json.dumps(
-            {
-                "request_id": request_id,
-                "method": request.method,
-                "path": request.path,
-                "status": status,
-                "ms": round((time.monotonic() - started) * 1000.0, 1),
-                "client": client_address(request, request.app[GUARD_KEY].trusted_proxies),
-                "reply_id": request.get(REPLY_ID),
-                **_how_ended(request),
-            }
-        ),
-    )
+    """The request's one structured access-log line (a WebSocket's says how many ``reply``
+    messages it took, ``replies``: each has a line of its own, ``log_socket_reply``)."""
+    line = _line(request, request_id, status, started, request.get(REPLY_ID))
+    line |= _how_ended(request.get(ACCOUNT))
+    replies = request.get(SOCKET_REPLIES)
+    if replies is not None:
+        line["replies"] = replies
+    access_log.info("%s", json.dumps(line))
 
 
-def _how_ended(request: web.Request) -> dict[str, str | None]:
-    """The access-log fields that say how the request's reply ended (null: it made none)."""
-    account = request.get(ACCOUNT)
+def log_socket_reply(request: web.Request, message: SocketReplyLine) -> None:
+    """The access-log line of one ``reply`` message of a WebSocket, once it has ended: the
+    line its request would have had over HTTP, under the socket's request id, with the
+    client's ``tag`` for it and what its reply sent (``events``, ``bytes``; null: nothing
+    counted, a message refused before its reply began)."""
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    request_id = request.get(REQUEST_ID, "")
+    line = _line(request, request_id, message.line_status, message.asked_at, message.reply_id)
+    ended = message.how_ended()
+    outcome, reason = (None, None) if ended is None else ended
+    events, nbytes = (None, None) if message.sent is None else message.sent
+    line |= {"outcome": outcome, "reason": reason, "tag": message.tag}
+    line |= {"events": events, "bytes": nbytes}
+    access_log.info("%s", json.dumps(line))
+
+
+def _line(
+    request: web.Request, request_id: str, status: int | str, started: float, reply_id: str | None
+) -> dict[str, object]:
+    """The fields every access-log line of a request begins with."""
+    return {
+        "request_id": request_id,
+        "method": request.method,
+        "path": request.path,
+        "status": status,
+        "ms": round((time.monotonic() - started) * 1000.0, 1),
+        "client": client_address(request, request.app[GUARD_KEY].trusted_proxies),
+        "reply_id": reply_id,
+    }
+
+
+def _how_ended(account: Account | None) -> dict[str, object]:
+    """The access-log fields that say how a request's reply ended (null: it made none)."""
     if account is None:
         return {"outcome": None, "reason": None}
     outcome, reason = account.how_ended()

@@ -20,12 +20,14 @@ from replystream.server.validation import parse_json, refuse_repeated_fields
 
 
 class BadMessage(Exception):
-    """A message the server cannot take; ``tag`` is its ``id`` when that much was valid."""
+    """A message the server cannot take; ``tag`` is its ``id`` when that much was valid, and
+    ``kind`` its ``type`` when that was (a ``reply`` refused has an access-log line)."""
 
-    def __init__(self, tag: str | None, error: HTTPAPIError) -> None:
+    def __init__(self, tag: str | None, error: HTTPAPIError, kind: str | None = None) -> None:
         super().__init__(error.message)
         self.tag = tag
         self.error = error
+        self.kind = kind
 
 
 def parse_message(data: str | bytes) -> SocketMessage:
@@ -57,7 +59,7 @@ def parse_message(data: str | bytes) -> SocketMessage:
     try:
         return parse_json(data, model, what="message", whole=False)  # its fields are checked
     except HTTPAPIError as exc:
-        raise BadMessage(envelope.id, exc) from None
+        raise BadMessage(envelope.id, exc, envelope.type) from None
 
 
 def auth_key(data: str | bytes) -> str | None:

@@ -34,6 +34,9 @@ Rules:
    (``ws_transport.MaskedFramesOnly``); the session only stops, as when the client leaves.
    A client's close frame is answered by the session: 1000, or 1002 for a close code no peer
    may send (``ws_transport.close_answer``).
+8. Each ``reply`` message has an access-log line of its own once it has ended (refused, or
+   its reply over), as its request would have had over HTTP (``accounts.SocketReply``); the
+   socket's own line, the upgrade's, counts them.
 This file must not know how tokens are made or how the log is stored.
 """
 
@@ -46,12 +49,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from aiohttp import HttpVersion11, WSMessage, WSMsgType, web
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.task_stop import forget_cancellation
+from replystream.server.accounts import SocketReply
 from replystream.server.auth import (
     AUTH_PENDING,
     KEY_RING,
@@ -74,9 +79,11 @@ from replystream.server.front_door import expect_later
 from replystream.server.guard import (
     GATE_KEY,
     RATE_LIMITED,
+    SOCKET_REPLIES,
     UPGRADED,
     count_as_owner,
     identity_of,
+    log_socket_reply,
 )
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.native_schemas import AuthMessage, CancelMessage, ReplyMessage
@@ -91,6 +98,7 @@ from replystream.server.ws_transport import (
     SocketKeepalive,
     WebSocketTransport,
     close_answer,
+    frame_bytes,
 )
 
 log = logging.getLogger("replystream.websocket")
@@ -127,7 +135,7 @@ class _ClientGone(_SocketDone):
 @dataclass(eq=False)
 class _Running:
     task: asyncio.Task[None]
-    reply: Reply | None = None
+    account: SocketReply  # its reply once begun, and what it made, for its access-log line
     cancelled: bool = False
 
 
@@ -180,8 +188,9 @@ class Session:
         )
 
     async def send(self, message: dict[str, Any]) -> int:
-        """Send one message, waiting for the socket to drain; cut a socket that does not."""
-        text = json.dumps(message, separators=(",", ":"))
+        """Send one message, waiting for the socket to drain; cut a socket that does not. The
+        bytes it took on the wire (its frame), as a reply's messages are counted."""
+        text = json.dumps(message, separators=(",", ":"))  # ASCII: a byte per character
         async with self._send_lock:
             self.keepalive.sent = True
             try:
@@ -193,7 +202,7 @@ class Session:
                 ) from None
             except ConnectionError as exc:
                 raise _ClientGone(str(exc)) from None
-        return len(text)
+        return frame_bytes(len(text))
 
     async def send_error(
         self, tag: str | None, message: str, code: str, *, status: int = 400
@@ -361,6 +370,8 @@ class Session:
         refusal, a bug of ours) becomes an ``error`` message for its tag: only the socket
         itself failing ends the socket and the other replies on it."""
         tag: str | None = None  # known once the message is read far enough to name it
+        arrived = time.monotonic()
+        asks_reply = False  # a ``reply`` message: it has an access-log line of its own
         try:
             if msg.type != WSMsgType.TEXT:
                 raise HTTPAPIError(400, "messages must be JSON text", code="invalid_json")
@@ -372,7 +383,7 @@ class Session:
             try:
                 message = parse_message(msg.data)
             except BadMessage as bad:
-                tag = bad.tag
+                tag, asks_reply = bad.tag, bad.kind == "reply"
                 raise bad.error from None
             if isinstance(message, AuthMessage):
                 if not message.api_key:  # never a key: refused as a wrong key is
@@ -384,12 +395,16 @@ class Session:
             if isinstance(message, CancelMessage):
                 self._cancel(tag)
             else:
-                self._start(message, group)
+                asks_reply = True
+                self._start(message, group, arrived)
             return
         except _SocketDone:
             raise
         except Exception as exc:
             failure = failure_message(tag, exc)
+            status = exc.status if isinstance(exc, HTTPAPIError) else 500
+        if asks_reply:  # refused before its reply began: no reply, nothing counted
+            self._log_reply(SocketReply(tag, arrived, status=status))
         await self.send(failure)
 
     def _take_key(self, key: str) -> None:
@@ -405,7 +420,7 @@ class Session:
             )
         self.request[SOCKET_KEY] = key
 
-    def _start(self, message: ReplyMessage, group: asyncio.TaskGroup) -> None:
+    def _start(self, message: ReplyMessage, group: asyncio.TaskGroup, arrived: float) -> None:
         tag = message.id
         ring = self.request.app.get(KEY_RING)
         key = client_key(self.request)
@@ -432,9 +447,9 @@ class Session:
         )
         self._admit()
         task = group.create_task(self._reply(tag, ask), name=f"ws-reply-{tag[:16]}")
+        running = self.running[tag] = _Running(task, SocketReply(tag, arrived))
         task.add_done_callback(forget_cancellation)
-        task.add_done_callback(self._reply_over)
-        self.running[tag] = _Running(task)
+        task.add_done_callback(partial(self._reply_over, running))
 
     def _admit(self) -> None:
         """Count a reply about to start against its client's limits, as HTTP counts a
@@ -456,13 +471,20 @@ class Session:
             self._rooms.append(identity)
         self._replies += 1
 
-    def _reply_over(self, task: asyncio.Task[None]) -> None:
+    def _reply_over(self, running: _Running, task: asyncio.Task[None]) -> None:
         """A reply's task is done (ended, or cancelled before it ran): the room it took past
         the socket's own is free again, so a socket counts as many requests as it runs
-        replies, and never fewer than one."""
+        replies, and never fewer than one; its access-log line says how it ended."""
         self._replies -= 1
         if len(self._rooms) > max(0, self._replies - 1):
             self.request.app[GATE_KEY].release(self._rooms.pop())
+        self._log_reply(running.account)
+
+    def _log_reply(self, account: SocketReply) -> None:
+        """One ``reply`` message's access-log line, once it has ended; the socket's own line
+        counts them."""
+        self.request[SOCKET_REPLIES] = self.request.get(SOCKET_REPLIES, 0) + 1
+        log_socket_reply(self.request, account)
 
     def _cancel(self, tag: str) -> None:
         running = self.running.get(tag)
@@ -474,12 +496,13 @@ class Session:
         # The reply's log ends with an ``error`` event (``cancelled``), which its reader sends;
         # a reply still being admitted is stopped as soon as it is, so it ends the same way.
         running.cancelled = True
-        if running.reply is not None:
-            running.reply.stop("cancelled")
+        if running.account.reply is not None:
+            running.account.reply.stop("cancelled")
 
     async def _reply(self, tag: str, ask: ReplyRequest) -> None:
         """Start one reply and send its log; any failure of this reply stays with it."""
         running = self.running[tag]
+        account = running.account
         try:
             with refusals_naming(ask.fields):
                 reply = await start_reply(
@@ -490,22 +513,26 @@ class Session:
                     policy=ask.policy,
                     resumable=ask.resumable,
                     disconnect=ask.disconnect,
+                    on_record=account.keep,
                 )
-            running.reply = reply
+            account.reply, account.status = reply, 200
             if running.cancelled:
                 # Let the producer take its first step first: a task cancelled before it
                 # starts never runs its ``finally``, and its log would never get an ending.
                 await asyncio.sleep(0)
                 reply.stop("cancelled")
-            await self._follow(tag, reply, ask.policy)
+            await self._follow(tag, reply, ask.policy, account)
         except _SocketDone:
             raise  # the socket itself is done for: every reply on it ends
         except Exception as exc:  # a refusal, or a bug: this reply ends, the others go on
-            await self.send(failure_message(tag, exc))
+            account.status = exc.status if isinstance(exc, HTTPAPIError) else 500
+            account.on_send(await self.send(failure_message(tag, exc)))
         finally:
             self.running.pop(tag, None)
 
-    async def _follow(self, tag: str, reply: Reply, policy: DeliveryPolicy) -> None:
+    async def _follow(
+        self, tag: str, reply: Reply, policy: DeliveryPolicy, account: SocketReply
+    ) -> None:
         """Send the reply's log as messages for ``tag``: the same follower as over SSE (the
         same limits, endings and direct path), through this socket's frame transport."""
         transport = WebSocketTransport(
@@ -516,7 +543,7 @@ class Session:
             closing=lambda: self._closing,
             keepalive=self.keepalive,
         )
-        follower = follower_of(
+        account.follower = follower = follower_of(
             self.request,
             reply_id=reply.reply_id,
             store=reply.store,
@@ -590,6 +617,7 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
     guard = MaskedFramesOnly.install(request, session.failed_by_client)
     await ws.prepare(request)
     request[UPGRADED] = True
+    request[SOCKET_REPLIES] = 0
     if guard is not None and not guard.arm():
         return ws  # the client broke the protocol before its first message was read
     manager = request.app[MANAGER_KEY]

@@ -54,6 +54,11 @@ def text_frame(payload: bytes) -> bytes:
     return struct.pack("!BBQ", 0x81, 127, size) + payload
 
 
+def frame_bytes(size: int) -> int:
+    """The bytes of a frame (``text_frame``'s) carrying ``size`` bytes of payload."""
+    return size + (2 if size < 126 else 4 if size < 1 << 16 else 10)
+
+
 def close_frame(code: int, reason: bytes) -> bytes:
     """A close frame with its status code (RFC 6455 5.5.1)."""
     body = struct.pack("!H", code) + reason[:123]
