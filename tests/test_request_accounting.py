@@ -40,7 +40,8 @@ async def post(
 
 def sent_total(metrics: bytes, series: str, endpoint: str) -> float:
     found = re.search(
-        rb'replystream_%s_total\{endpoint="%s"\} (\S+)' % (series.encode(), endpoint.encode()),
+        rb'replystream_%s_total\{endpoint="%s"\} (\S+)'
+        % (series.encode(), re.escape(endpoint.encode())),
         metrics,
     )
     return float(found.group(1)) if found else 0.0
@@ -91,6 +92,33 @@ async def test_an_error_answered_before_the_first_token_counts_as_sent(path, ask
     assert failed.status == 500 and b"simulated failure" in body
     assert sent_total(metrics, "bytes_sent", path) == len(body)
     assert sent_total(metrics, "events_sent", path) == 1
+
+
+async def test_a_poll_of_a_stored_response_counts_the_object_it_was_answered_with(access_lines):
+    """``GET /v1/responses/{id}`` answers with the response's object, its text: a reply's
+    content written to a client, as a stream of the same response's events is, and counted
+    as the same reader's stream would be (under the route it reads on), one event each, as it
+    went on the wire. It was counted nowhere."""
+    engine = fast_engine(delay_ms=1.0, jitter_ms=0.0, reply_text="word " * 400)
+    background = {"input": "x", "max_output_tokens": 400, "background": True}
+    async with running(create_app(engine)) as url:
+        created = json.loads(await (await post(url, "/v1/responses", background, "bg")).read_body())
+        path = f"/v1/responses/{created['id']}"
+        polls: list[bytes] = []
+        while not polls or json.loads(polls[-1])["status"] != "completed":  # as SDKs wait
+            polls.append(await (await raw_request(f"{url}{path}")).read_body())
+            await asyncio.sleep(0.02)
+        zipped = await raw_request(f"{url}{path}", headers={"Accept-Encoding": "gzip"})
+        wire = await zipped.read_body()
+        metrics = await metrics_of(url)
+    assert zipped.headers["content-encoding"] == "gzip"
+    assert gzip.decompress(wire) == polls[-1] and len(wire) < len(polls[-1]) / 4
+    route = "/v1/responses/{response_id}"
+    assert sent_total(metrics, "bytes_sent", route) == sum(map(len, polls)) + len(wire)
+    assert sent_total(metrics, "events_sent", route) == len(polls) + 1
+    # The poll itself made or read no reply to the end: its line says no outcome.
+    polled = [line for line in access_lines().values() if line["path"] == path]
+    assert polled and {(line["outcome"], line["reason"]) for line in polled} == {(None, None)}
 
 
 # How each request ended, as its access-log line says.

@@ -13,6 +13,10 @@ module's ``ReplyAccount``, read once, as the line is written:
 - its client left, or it never read (a background response): the reply's outcome if its
   ending is decided by then (stopped as its client left, or ended before), else ``detached``.
 
+A request answered with a stored response's object (``GET /v1/responses/{id}``, a poll)
+read the reply without following it to its end: its ``ObjectRead`` counts the object it
+was sent, and says no outcome.
+
 A WebSocket's ``reply`` message is not its request's (the socket's line is the upgrade's):
 each has a line of its own once it has ended (``guard.log_socket_reply``), from its
 ``SocketReply``, which reads its reply as a ``ReplyAccount`` does.
@@ -63,6 +67,21 @@ class ReplyAccount:
             # The terminal entries are outcomes' words (``EndingRule.log_end``).
             return cast(Outcome, follower.log_end), None
         return "detached", None
+
+
+@dataclass(slots=True)
+class ObjectRead:
+    """A request answered with a reply's object as its log tells it now (a stored
+    response's): the body counts where a reader of the reply on its route counts (``sends``),
+    and the request has no outcome of its own; the reply's requests tell how it ended."""
+
+    sends: SendRecord
+
+    def on_send(self, nbytes: int, events: int = 1) -> None:
+        self.sends.on_send(nbytes, events)
+
+    def how_ended(self) -> tuple[None, None]:
+        return None, None
 
 
 @dataclass(slots=True)

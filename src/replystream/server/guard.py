@@ -118,8 +118,9 @@ class Account(Protocol):
 
     def on_send(self, nbytes: int, events: int = 1) -> None: ...
 
-    def how_ended(self) -> tuple[str, str | None]:
-        """The request's outcome (``metrics.RequestOutcome``) and its reason (None: none)."""
+    def how_ended(self) -> tuple[str | None, str | None]:
+        """The request's outcome (``metrics.RequestOutcome``; None: it has none, having read
+        a reply without following it to its end) and its reason (None: none)."""
         ...
 
 
@@ -150,7 +151,7 @@ class SocketReplyLine(Protocol):
         """The events and bytes its reply sent (None: nothing counted)."""
         ...
 
-    def how_ended(self) -> tuple[str, str | None] | None:
+    def how_ended(self) -> tuple[str | None, str | None] | None:
         """Its reply's outcome and reason, as ``Account.how_ended``; None: it made none."""
         ...
 

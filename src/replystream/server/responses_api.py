@@ -58,16 +58,18 @@ from replystream.delivery.responses_objects import (
 from replystream.delivery.sliced_json import Sliced
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
+from replystream.server.accounts import ObjectRead
 from replystream.server.buffered import WHOLE_REPLY, Whole
 from replystream.server.context import (
     CONFIG_KEY,
     buffered,
     follow_started,
+    reader_sends,
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
 from replystream.server.front_door import expect_later
-from replystream.server.guard import REPLY_ID, hold_background
+from replystream.server.guard import ACCOUNT, REPLY_ID, hold_background
 from replystream.server.native import (
     delivery_overrides,
     sampling_params,
@@ -388,7 +390,11 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     reply_id = response_reply_id(given_id, "response_id")
     store, local = await find_response(request, reply_id, "response_id")
     if not query.stream:
-        return await response_body(store, reply_id, logprobs=RETRIEVE_INCLUDE in query.include)
+        answer = await response_body(store, reply_id, logprobs=RETRIEVE_INCLUDE in query.include)
+        # The reply's text, sent: counted as its events streamed to this reader would be, one
+        # event, as it goes out (``front_door.count_whole_body``).
+        request[ACCOUNT] = ObjectRead(reader_sends(request))
+        return answer
     # An EventSource resumes with its events' ids, in the query or its header.
     cursors = {"starting_after": query.starting_after, "last_event_id": query.last_event_id}
     after, param = resume_after(request, cursors, SEQUENCE_BELOW_ID)
