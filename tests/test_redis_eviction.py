@@ -146,15 +146,18 @@ async def test_a_dead_producer_whose_stream_was_evicted_is_still_reported_lost(t
 
 
 async def test_a_live_producer_writes_its_evicted_metadata_and_log_again(tmp_path: Path):
+    # All of its metadata: whose it is, what its route keeps, its dialect and the keep-alive
+    # its request asked (each a reader elsewhere needs).
+    info = ReplyInfo("p", owner="k", context="ctx", dialect="anthropic", keepalive_s=2.5)
     with redis_server(tmp_path) as server:
         producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
-        await producer.create(ReplyInfo("p", owner="k", context="ctx"))
+        await producer.create(info)
         producer.append("p", events("p", 1, 6))
         await producer.flush()
         await producer.redis.delete(key(producer, "p", ":meta"), key(producer, "p"))
         # A reader asking meanwhile waits for it (the producer lives), then finds it whole.
         async with asyncio.timeout(10):
-            assert await reader.info("p") == ReplyInfo("p", owner="k", context="ctx")
+            assert await reader.info("p") == info
             while (await reader.read("p", 0, wait_s=0)).entries != events("p", 1, 6):  # type: ignore[union-attr]  # noqa: ASYNC110
                 await asyncio.sleep(0.1)
         # Counted once the repair's write has answered, after readers may see it.

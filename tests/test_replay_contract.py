@@ -449,6 +449,21 @@ async def test_a_replys_dialect_is_kept_with_it_before_any_event(stores):
     await settle(producer)
 
 
+async def test_a_replys_asked_keepalive_is_kept_with_it_for_its_readers_anywhere(stores):
+    # A resume on any replica keeps the interval the reply's request asked for.
+    producer, reader = stores
+    asked = ReplyInfo("r14", owner="k", dialect="openai", keepalive_s=0.3)
+    none_asked = ReplyInfo("r15", owner="k")
+    for info in (asked, none_asked):
+        await producer.create(info)
+    await settle(producer)
+    for info in (asked, none_asked):
+        assert await reader.info(info.reply_id) == info
+        producer.end(info.reply_id, "finished")
+    await settle(producer)
+    assert await reader.info("r14") == asked  # kept with the reply after its end too
+
+
 async def test_delete_forgets_a_reply_everywhere_and_context_is_kept_until_then(stores):
     producer, reader = stores
     info = ReplyInfo("r10", owner="k", context='[{"role": "user"}]')

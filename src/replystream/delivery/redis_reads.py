@@ -40,6 +40,7 @@ from replystream.delivery.redis_rows import (
     Offsets,
     newest_write,
     result_of,
+    seconds_of,
     seq_of,
     text,
 )
@@ -72,7 +73,8 @@ class RemoteReads:
         self._lost: dict[str, float] = {}  # replies whose producer was found lost, and when
 
     async def info(self, reply_id: str) -> Found:
-        """A reply's owner and context, as Redis keeps them, or why not."""
+        """What Redis keeps of a reply (its owner, context, dialect and keep-alive), or why
+        not."""
         meta = await self._link.retrying(lambda: self._meta_of(reply_id))
         if b"owner" not in meta:
             return Found(None, b"deleted" in meta)
@@ -81,6 +83,7 @@ class RemoteReads:
             owner=text(meta.get(b"owner")),
             context=text(meta.get(b"context")),
             dialect=text(meta.get(b"dialect")),
+            keepalive_s=seconds_of(meta.get(b"keepalive")),
         )
         return Found(info, False)
 

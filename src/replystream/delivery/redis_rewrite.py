@@ -23,7 +23,7 @@ from typing import Any
 from replystream.delivery.redis_connect import RedisClient
 from replystream.delivery.redis_link import live_hold_s, ttl_whole_s
 from replystream.delivery.redis_repair import Repair, StreamState
-from replystream.delivery.redis_rows import seq_of
+from replystream.delivery.redis_rows import seconds_field, seq_of
 from replystream.delivery.replay import ReplyInfo
 
 KeyOf = Callable[..., str]  # (reply id[, part]) -> key
@@ -32,8 +32,9 @@ KeyOf = Callable[..., str]  # (reply id[, part]) -> key
 # written anew, 0: appended to), owner, context, TTL, liveness (0: not generated), the
 # first entry kept (the producer's copy's: older ones are trimmed; 0 or 1: none), ending
 # (null: none), the terminal entry's number, the stream's last entry and length as planned
-# from, the dialect (``ReplyInfo.dialect``), then 4 values per entry: seq, type ("": none),
-# data, log size]. A reply deleted since its state was read is left alone (a delete's mark
+# from, the dialect (``ReplyInfo.dialect``), the keep-alive interval asked (its
+# ``keepalive_s`` as text; "": none), then 4 values per entry: seq, type ("": none), data,
+# log size]. A reply deleted since its state was read is left alone (a delete's mark
 # is never written over): 0. An
 # append to a stream that is no longer as it was read (another primary answered that read,
 # while a demoted one still took writes) writes nothing either, as it would leave a hole: 2,
@@ -48,6 +49,7 @@ if r[1] == 1 then
   redis.call('DEL', stream)
   redis.call('HSET', meta, 'owner', r[2], 'context', r[3])
   if r[11] ~= '' then redis.call('HSET', meta, 'dialect', r[11]) end
+  if r[12] ~= '' then redis.call('HSET', meta, 'keepalive', r[12]) end
 else
   local length = redis.call('XLEN', stream)
   if length ~= r[10] or redis.call('HEXISTS', meta, 'owner') == 0 then return 2 end
@@ -56,7 +58,7 @@ else
     if last ~= '0-' .. r[9] then return 2 end
   end
 end
-for j = 12, #r, 4 do
+for j = 13, #r, 4 do
   redis.call('XADD', stream, '0-' .. r[j], 'e', r[j + 1], 'd', r[j + 2], 'b', r[j + 3])
 end
 if r[6] > 1 then redis.call('XTRIM', stream, 'MINID', '~', '0-' .. r[6]) end
@@ -133,6 +135,7 @@ def write_repair(
         state.last,
         state.length,
         info.dialect,
+        seconds_field(info.keepalive_s),
     ]
     for entry, offset in zip(repair.entries, repair.offsets, strict=True):
         argument += (entry.seq, entry.event or "", entry.data, offset)

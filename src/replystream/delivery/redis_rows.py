@@ -60,6 +60,18 @@ def text(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def seconds_field(value: float | None) -> str:
+    """A duration kept in a reply's metadata (``ReplyInfo.keepalive_s``) as a hash field's
+    text, the shortest that reads back as the same float; "" (not kept) for None."""
+    return "" if value is None else repr(value)
+
+
+def seconds_of(value: bytes | str | None) -> float | None:
+    """A duration ``seconds_field`` kept (None when absent)."""
+    kept = text(value)
+    return float(kept) if kept else None
+
+
 class Newest(NamedTuple):
     """What a log's newest entries tell of it, in bytes of data."""
 

@@ -39,13 +39,15 @@ from collections.abc import Callable, Sequence
 
 from redis.crc import key_slot
 
+from replystream.delivery.redis_rows import seconds_field
 from replystream.delivery.replay import LogEntry, ReplyInfo, data_bytes
 
 # ARGV[1]: JSON [ttl, hold, liveness, counter key index, creates, replies, expected], flat
 # where it can be (the encoder's cost is per list as much as per value). ttl: an ended reply's
 # keys' life; hold: a live reply's, from each refresh (``redis_link.live_hold_s``); expected:
 # the writer's count Redis must hold before this call (0: unknown, not checked).
-#   creates: [meta key index, live key index, owner, context, dialect ("": none, not kept)]
+#   creates: [meta key index, live key index, owner, context, dialect ("": none, not kept),
+#             keep-alive interval asked (``ReplyInfo.keepalive_s``, as text; "": none, not kept)]
 #   replies: [stream key index, first entry kept (0: no trim), indices of keys to expire, ending
 #             ([seq, text, meta key index]) or null, live key index to delete (0: none), then
 #             4 values per entry: seq, type ("": none), data, log size (the last of several
@@ -82,6 +84,7 @@ end
 for _, c in ipairs(batch[5]) do
   redis.call('HSET', KEYS[c[1]], 'owner', c[3], 'context', c[4], 'beat', 1)
   if c[5] ~= '' then redis.call('HSET', KEYS[c[1]], 'dialect', c[5]) end
+  if c[6] ~= '' then redis.call('HSET', KEYS[c[1]], 'keepalive', c[6]) end
   redis.call('EXPIRE', KEYS[c[1]], hold)
   redis.call('SET', KEYS[c[2]], '1', 'EX', liveness)
 end
@@ -216,7 +219,7 @@ class WriteBatch:
     def __init__(self) -> None:
         self.keys: list[str] = []
         self.reply_ids: list[str] = []  # in the order of the script's replies
-        self._creates: list[tuple[int, int, str, str, str]] = []
+        self._creates: list[tuple[int, int, str, str, str, str]] = []
         self._replies: list[ReplyWrite] = []
 
     def _index(self, key: str) -> int:
@@ -225,7 +228,14 @@ class WriteBatch:
 
     def create(self, meta_key: str, live_key: str, info: ReplyInfo) -> None:
         self._creates.append(
-            (self._index(meta_key), self._index(live_key), info.owner, info.context, info.dialect)
+            (
+                self._index(meta_key),
+                self._index(live_key),
+                info.owner,
+                info.context,
+                info.dialect,
+                seconds_field(info.keepalive_s),
+            )
         )
 
     def reply(

@@ -106,6 +106,11 @@ class ReplyInfo:
     # may resume drops what its reader was sent): every route's but the native one's; "":
     # told by the first event.
     dialect: str = ""
+    # The keep-alive interval its request asked for (``keepalive_s``), which every reader of
+    # it keeps, a resume on any replica too: a client asks a short one because something on
+    # its way drops an idle connection sooner than the server's default, and its resume
+    # crosses the same way. None: none asked; a reader keeps its server's ``--keepalive-s``.
+    keepalive_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

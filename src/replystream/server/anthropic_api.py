@@ -199,6 +199,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
             # Its log holds nothing until the first token (``message_start`` waits for it):
             # a resume before then is told what its reader decides in this dialect too.
             dialect=DIALECT,
+            keepalive_s=_sampling(body).keepalive_s,  # its resumes keep it too
         )
     return follow_started(request, reply, policy, keepalive=PING, notices=ReaderNotices())
 

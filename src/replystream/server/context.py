@@ -277,12 +277,14 @@ async def start_reply(
     context: str = "",
     dialect: str = "",
     on_record: Callable[[ReplyRecord], None] | None = None,
+    keepalive_s: float | None = None,
 ) -> Reply:
     """Admit a generation and start producing it into a new reply log. ``resumable``: None
     takes the server's default; a stream without event ids (``numbered=False``) never is.
     ``context``: what the route keeps with the reply in its store (``ReplyInfo.context``);
     ``dialect``: the dialect a reader of it speaks before its first event is logged
-    (``ReplyInfo.dialect``).
+    (``ReplyInfo.dialect``); ``keepalive_s``: the keep-alive interval the request asked for
+    (None: none), which its resumes keep too (``ReplyInfo.keepalive_s``).
     ``fmt`` as ``Choices``: several generations, one choice each, in one reply.
     ``on_record``: told the reply's record as soon as it is made, before any refusal (a
     WebSocket's reply, which is not its request's, keeps its own account with it)."""
@@ -326,7 +328,10 @@ async def start_reply(
             prompt_estimate=prompt_tokens,
         )
     try:
-        await store.create(ReplyInfo(reply_id, owner=owner, context=context, dialect=dialect))
+        info = ReplyInfo(
+            reply_id, owner=owner, context=context, dialect=dialect, keepalive_s=keepalive_s
+        )
+        await store.create(info)
     except StoreUnavailable as exc:
         await close_quietly(deltas)
         record.outcome, record.reason = "rejected", exc.code

@@ -260,6 +260,7 @@ async def _complete(
             # A resume finding nothing kept to tell the dialect by (a reply nobody may resume
             # drops what its reader sent) still speaks it.
             dialect=DIALECT,
+            keepalive_s=ask.keepalive_s,  # its resumes keep it too
         )
     return follow_started(request, reply, policy, keepalive=SDK_KEEPALIVE, notices=ReaderNotices())
 

@@ -71,6 +71,7 @@ class CompletionAsk:
     fields: FieldNames = field(default_factory=FieldNames)
     # Where a legacy completion's ``text_offset`` begin: after its prompt's characters.
     text_offset_from: int = 0
+    keepalive_s: float | None = None  # the keep-alive interval asked (None: none)
 
 
 def model_not_found(model: object) -> HTTPAPIError:
@@ -97,7 +98,15 @@ def _ask(
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     n = 1 if body.n is None else body.n
     return CompletionAsk(
-        generation, stream, include_usage, policy, body.resumable, n, fields, text_offset_from
+        generation,
+        stream,
+        include_usage,
+        policy,
+        body.resumable,
+        n,
+        fields,
+        text_offset_from,
+        body.keepalive_s,
     )
 
 

@@ -199,6 +199,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
                 # Its log drops what its reader sent: a resume finding nothing kept to tell
                 # the dialect by still speaks it.
                 dialect=DIALECT,
+                keepalive_s=_sampling(body).keepalive_s,  # its resumes keep it too
             )
             return _follow(request, reply, policy, settings)
         answered_whole = not body.stream and not body.background
@@ -219,6 +220,8 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
                 policy=policy,
                 resumable=True,
                 dialect=DIALECT,
+                # Its resumes, and a background response's readers, keep it too.
+                keepalive_s=_sampling(body).keepalive_s,
                 # Not in the background, it stops when its client leaves, as a reply on another
                 # route does, unless the server makes replies resumable by default: then it goes
                 # on for the detach grace, as theirs do.
@@ -368,7 +371,7 @@ async def _whole(
 
 async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     """``GET /v1/responses/{id}``: the object, or (``stream=true``) its events after
-    ``starting_after``, then the live tail."""
+    ``starting_after``, then the live tail (kept alive as the response's request asked)."""
     query = parse_mapping(request.query, RetrieveQuery)
     if not query.stream:
         # A cursor says where a stream of events starts: the object has none to start from.
@@ -388,7 +391,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
         )
     given_id = request.match_info["response_id"]
     reply_id = response_reply_id(given_id, "response_id")
-    store, local = await find_response(request, reply_id, "response_id")
+    store, local, info = await find_response(request, reply_id, "response_id")
     if not query.stream:
         answer = await response_body(store, reply_id, logprobs=RETRIEVE_INCLUDE in query.include)
         # The reply's text, sent: counted as its events streamed to this reader would be, one
@@ -410,7 +413,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
             known_as=f"response {given_id}",  # the id the client has, not the log's
         )
     gone = HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
-    return await follow_resumed(request, reply_id, store, local, after, place, gone=gone)
+    return await follow_resumed(request, info, store, local, after, place, gone=gone)
 
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:
@@ -419,7 +422,7 @@ async def handle_cancel(request: web.Request) -> web.StreamResponse:
     as in OpenAI's API: a streamed one stops when its client closes the stream."""
     given_id = request.match_info["response_id"]
     reply_id = response_reply_id(given_id, "response_id")
-    store, _ = await find_response(request, reply_id, "response_id")
+    store, _, _ = await find_response(request, reply_id, "response_id")
     standing = await response_standing(store, reply_id)
     if not standing.background:
         raise HTTPAPIError(
@@ -445,7 +448,7 @@ async def handle_delete(request: web.Request) -> web.StreamResponse:
     """``DELETE /v1/responses/{id}``: stop it if it runs, and forget it everywhere."""
     response_id = request.match_info["response_id"]
     reply_id = response_reply_id(response_id, "response_id")
-    store, _ = await find_response(request, reply_id, "response_id")
+    store, _, _ = await find_response(request, reply_id, "response_id")
     try:
         await store.delete(reply_id)  # stopped first, if it runs (on whichever replica)
     except StoreUnavailable as exc:

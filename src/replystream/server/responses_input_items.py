@@ -186,7 +186,7 @@ async def handle_list_input_items(request: web.Request) -> web.StreamResponse:
     query = parse_mapping(request.query, InputItemsQuery)
     given_id = request.match_info["response_id"]
     reply_id = response_reply_id(given_id, "response_id")
-    store, _ = await find_response(request, reply_id, "response_id")
+    store, _, _ = await find_response(request, reply_id, "response_id")
     kept = await stored_conversation(store, reply_id)
     if kept is None:  # expired or deleted since it was found
         raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")

@@ -93,7 +93,7 @@ async def _history(request: web.Request, previous: str) -> Messages:
     its output."""
     try:
         reply_id = response_reply_id(previous, "previous_response_id")
-        store, _ = await find_response(request, reply_id, "previous_response_id")
+        store, _, _ = await find_response(request, reply_id, "previous_response_id")
         # Deleted or expired while read, the response is as gone as one never found.
         kept = await stored_conversation(store, reply_id)
         said = await response_said(store, reply_id, "previous_response_id")

@@ -130,7 +130,7 @@ async def _items_of(
     no longer holds its first events, its input alone (its conversation keeps it whole):
     ``untold`` gets why its output is not told, for a reference to one of its items."""
     try:
-        store, _ = await find_response(request, reply_id, param)
+        store, _, _ = await find_response(request, reply_id, param)
         kept = await stored_conversation(store, reply_id)
         try:
             shown = await response_items(store, reply_id, param)

@@ -14,7 +14,13 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, StoreUnavailable
+from replystream.delivery.replay import (
+    LogEntry,
+    ReadResult,
+    ReplayStore,
+    ReplyInfo,
+    StoreUnavailable,
+)
 from replystream.delivery.responses_log import (
     DIALECT,
     GENERATOR_LOST,
@@ -47,10 +53,10 @@ NO_SUCH_RESPONSE = "no such response (unknown, expired, deleted, or not yours)"
 
 async def find_response(
     request: web.Request, reply_id: str, param: str
-) -> tuple[ReplayStore, Reply | None]:
-    """The store of the caller's response ``reply_id``, and its producer when it runs here;
-    else a 404: a reply of another dialect is not a response, and is neither streamed as one
-    nor deleted here."""
+) -> tuple[ReplayStore, Reply | None, ReplyInfo]:
+    """The store of the caller's response ``reply_id``, its producer when it runs here, and
+    what the store keeps of it; else a 404: a reply of another dialect is not a response,
+    and is neither streamed as one nor deleted here."""
     _, store, local, info = await find_reply(
         request, reply_id, param=param, missing=NO_SUCH_RESPONSE
     )
@@ -76,7 +82,7 @@ async def find_response(
         is_response = (first.event or "").startswith("response.")
     if not is_response:
         raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param=param)
-    return store, local
+    return store, local, info
 
 
 def response_reply_id(response_id: str, param: str) -> str:

@@ -7,8 +7,9 @@ Anthropic's message events, Responses events or our own. What the reader itself 
 a chat stream's client cannot be handed a native ``gap`` and then ``[DONE]``, as if its text
 were whole. This file decides the dialect from the log's first kept event (or, when the log
 keeps none, from the dialect the route stored with the reply: ``ReplyInfo.dialect``), and
-the notices and keep-alive that dialect's own route uses. It must not know how the events
-are written.
+the notices and keep-alive that dialect's own route uses; and how often it is kept alive:
+at the interval its reply's request asked (kept with the reply, in Redis too:
+``ReplyInfo.keepalive_s``), else the server's. It must not know how the events are written.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from replystream.delivery import anthropic_format, openai_formats, responses_log
 from replystream.delivery.anthropic_format import PING
 from replystream.delivery.follower import BY_EVENT_ID, ResumePlace
 from replystream.delivery.formats import KEEPALIVE, Notices
-from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, StoreUnavailable
+from replystream.delivery.replay import (
+    LogEntry,
+    ReadResult,
+    ReplayStore,
+    ReplyInfo,
+    StoreUnavailable,
+)
 from replystream.server.context import CONFIG_KEY, follow_reply
 from replystream.server.errors import HTTPAPIError
 from replystream.server.openai_api import SDK_KEEPALIVE
@@ -44,7 +51,7 @@ OPENAI_CHUNKS = ('{"id":"chatcmpl-', '{"id":"cmpl-')
 
 async def follow_resumed(
     request: web.Request,
-    reply_id: str,
+    info: ReplyInfo,
     store: ReplayStore,
     reply: Reply | None,
     after: int,
@@ -52,19 +59,25 @@ async def follow_resumed(
     *,
     gone: HTTPAPIError | None = None,
 ) -> EventStream:
-    """The response that streams reply ``reply_id`` from after event ``after`` (named by
-    the client as ``place`` says), in the dialect it was made in (both resume routes: ours,
-    and the Responses API's). ``gone``: the route's answer for a reply that expired or was
-    deleted since it was found (its dialect can no longer be told, so no stream is begun)."""
+    """The response that streams reply ``info`` from after event ``after`` (named by the
+    client as ``place`` says), in the dialect it was made in (both resume routes: ours, and
+    the Responses API's), kept alive at the interval the reply's request asked for, else at
+    the server's. ``gone``: the route's
+    answer for a reply that expired or was deleted since it was found (its dialect can no
+    longer be told, so no stream is begun)."""
+    reply_id = info.reply_id
     head = await _head(reply_id, store)
     if head is None:
         raise gone or HTTPAPIError(404, "no such reply", code="reply_not_found")
     notices, keepalive = await _notices_from(head, reply_id, store, after, gone)
+    policy = request.app[CONFIG_KEY].policy
+    if info.keepalive_s is not None:
+        policy = policy.with_overrides(keepalive_s=info.keepalive_s)
     return follow_reply(
         request,
         reply_id=reply_id,
         store=store,
-        policy=request.app[CONFIG_KEY].policy,
+        policy=policy,
         reply=reply,
         after=after,
         keepalive=keepalive,
