@@ -4,7 +4,7 @@ Keep-alive is the reader's: a client asks a short ``keepalive_s`` because someth
 it and the server drops an idle connection sooner than the server's default, and its resume,
 which exists for that client after such a drop, crosses the same way. The interval is kept
 with the reply (in Redis too), so a resume on the replica that makes the reply and one on
-another keep it. Batching and hold-back are the
+another keep it; a resume may ask its own (``?keepalive_s=``). Batching and hold-back are the
 producer's: the log holds the events they made, which every reader replays.
 
 Real servers on loopback: one in-process app on the memory store, or two sharing a real
@@ -192,6 +192,55 @@ async def test_a_response_made_for_its_one_reader_is_joined_at_its_keepalive(tmp
         await joined.aclose()
         await first.aclose()
     assert keepalives(got) >= 2, got
+
+
+@pytest.mark.parametrize("where", ["memory", "other"])
+async def test_a_resume_may_ask_its_own_keepalive(where: str, tmp_path: Path):
+    async with servers(where, tmp_path, first_token_ms=FIRST_TOKEN_MS) as (maker, reader):
+        # The reply asks none (the server's 15 s), or one too long for the resume's way.
+        for ask in ({}, {"keepalive_s": 60}):
+            body = {"prompt": "x", "max_tokens": 3, "resumable": True, **ask}
+            first = await started(maker, "/v1/replies", body)
+            reply_id = first.headers["x-reply-id"]
+            await first.aclose()
+            resume = await raw_request(
+                f"{reader}/v1/replies/{reply_id}/stream?keepalive_s={ASKED_S}",
+                headers={"Last-Event-ID": "1"},
+            )
+            assert resume.status == 200
+            resumed = await read_for(resume, WINDOW_S)
+            await resume.aclose()
+            assert keepalives(resumed) >= 2, (ask, resumed)
+
+
+async def test_a_resumes_keepalive_is_refused_as_a_requests_is():
+    async with one_server(first_token_ms=FIRST_TOKEN_MS) as (url, _):
+        ask = {"prompt": "x", "max_tokens": 3, "resumable": True}
+        first = await started(url, "/v1/replies", ask)
+        reply_id = first.headers["x-reply-id"]
+        stream = f"{url}/v1/replies/{reply_id}/stream"
+        response = f"{url}/v1/responses/resp_{reply_id}"
+        refused: dict[str, str] = {
+            f"{stream}?keepalive_s=0.05": "keepalive_s must be at least 0.1, got",
+            f"{stream}?keepalive_s=3601": "keepalive_s must be at most 3600.0, got",
+            f"{stream}?keepalive_s=1e3": "keepalive_s must be a number of seconds",
+            f"{stream}?keepalive_s=inf": "keepalive_s must be a number of seconds",
+            f"{stream}?keepalive_s=": "keepalive_s must be a number of seconds",
+            f"{stream}?keepalive_s=1&keepalive_s=2": "keepalive_s is given 2 times",
+            # The object, sent whole, has nothing to keep alive (checked before the reply
+            # is looked for: this one is no response).
+            f"{response}?keepalive_s=1": "keepalive_s keeps a stream of events alive",
+        }
+        answers = {}
+        for target in refused:
+            answer = await raw_request(target)
+            answers[target] = (answer.status, json.loads(await answer.read_body())["error"])
+        await first.aclose()
+    for target, words in refused.items():
+        status, error = answers[target]
+        assert status == 400, (target, status, error)
+        assert error["param"] == "keepalive_s" and error["code"] == "invalid_value", error
+        assert error["message"].startswith(words), (target, error)
 
 
 @pytest.mark.parametrize("where", ["memory", "producer", "other"])

@@ -8,8 +8,8 @@ Routes:
 - ``POST /v1/replies``: the native endpoint (named events, delivery policies, ``stream``,
   ``resumable``).
 - ``GET /v1/replies/{id}/stream``: resume a reply after ``Last-Event-ID`` (header) or
-  ``last_event_id`` (query), kept alive as its request asked; ``POST
-  /v1/replies/{id}/cancel``: stop it.
+  ``last_event_id`` (query), kept alive as its request asked (or as ``keepalive_s``, query,
+  asks); ``POST /v1/replies/{id}/cancel``: stop it.
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``: the
   OpenAI-compatible API (``server.openai_api``).
 - ``GET /v1/ws``: the same replies over a WebSocket, several at once (``server.websocket``).
@@ -228,14 +228,23 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
 
 async def handle_resume(request: web.Request) -> web.StreamResponse:
     """``GET /v1/replies/{id}/stream``: replay after ``Last-Event-ID``, then follow live,
-    kept alive at the reply's own interval."""
+    kept alive at the query's ``keepalive_s``, else at the reply's own."""
     query = parse_mapping(request.query, ResumeCursor)
     after, param = resume_after(request, {"last_event_id": query.last_event_id})
     reply_id, store, local, info = await find_reply(request, request.match_info["reply_id"])
     if after > 0:
         await check_resume_point(reply_id, store, after, made_here=local is not None, param=param)
     gone = HTTPAPIError(404, NO_SUCH_REPLY, code="reply_not_found", param="reply_id")
-    return await follow_resumed(request, info, store, local, after, ResumePlace(param), gone=gone)
+    return await follow_resumed(
+        request,
+        info,
+        store,
+        local,
+        after,
+        ResumePlace(param),
+        keepalive_s=query.keepalive_s,
+        gone=gone,
+    )
 
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:

@@ -1,9 +1,10 @@
 """The declared shape of query strings and resume cursors: the lab's ``GET /wait`` and
 ``GET /stream``, a reply's resume point (``last_event_id``, or the ``Last-Event-ID``
-header), ``GET /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items`` and Anthropic's
-``GET /v1/models``.
+header) and its keep-alive interval (``keepalive_s``), ``GET /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items`` and Anthropic's ``GET /v1/models``.
 
-These carry text, not JSON: an integer is ASCII digits in range, a flag one of a few
+These carry text, not JSON: an integer is ASCII digits in range, a number of seconds digits
+with at most one decimal point, a flag one of a few
 spellings in any case, and unknown parameters are ignored (as the lab's query string always
 has). This file decides what each parameter may be; how the query's cursor and the header
 are reconciled is ``server.resume_points.resume_after``'s. It must not know about aiohttp or
@@ -12,6 +13,7 @@ engines.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -25,6 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from replystream.delivery.policy import KEEPALIVE_S_MAX, KEEPALIVE_S_MIN
 from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.engine.seeds import MAX_SEED
 from replystream.server.schema_fields import Schema, invalid
@@ -43,6 +46,21 @@ def _digits(name: str, low: int, high: int, *, blank_is_absent: bool = False) ->
         if not low <= value <= high:
             raise invalid(f"{name} must be an integer from {low} to {high}, got {value}")
         return value
+
+    return BeforeValidator(parse)
+
+
+# A number of seconds in a query string: ASCII digits with at most one decimal point, no sign,
+# no exponent (``float()`` would take "1e3", "inf", "nan" or " 1_0 "); its range is the field's.
+_DECIMAL = re.compile(r"[0-9]{1,12}(?:\.[0-9]{0,12})?|\.[0-9]{1,12}")
+
+
+def _decimal(name: str) -> BeforeValidator:
+    def parse(raw: Any) -> float:
+        text = raw.strip() if isinstance(raw, str) else ""
+        if _DECIMAL.fullmatch(text) is None:
+            raise invalid(f"{name} must be a number of seconds such as 0.5 or 30, got {_cut(raw)}")
+        return float(text)
 
     return BeforeValidator(parse)
 
@@ -131,14 +149,23 @@ class LabQuery(Query):
     tools: Annotated[str, PlainValidator(_no_lab_tools)] | None = None
 
 
+# A resume's ``keepalive_s``: in the range a request's body takes (``schema_fields``).
+KeepaliveSeconds = Annotated[
+    float, _decimal("keepalive_s"), Field(ge=KEEPALIVE_S_MIN, le=KEEPALIVE_S_MAX)
+]
+
+
 class ResumeCursor(Query):
     """``GET /v1/replies/{id}/stream``: the last event id the client holds, as the query's
     ``last_event_id`` or the ``Last-Event-ID`` header says it (blank or absent: None; how
-    the two are reconciled is ``server.resume_points.resume_after``'s)."""
+    the two are reconciled is ``server.resume_points.resume_after``'s); and the keep-alive
+    interval this resume asks for, in the range a request's ``keepalive_s`` takes (None:
+    the one its reply was asked with, else the server's)."""
 
     last_event_id: Annotated[
         int | None, _digits("last_event_id", 0, MAX_SEED, blank_is_absent=True)
     ] = None
+    keepalive_s: KeepaliveSeconds | None = None
 
 
 # What ``include`` may name on ``GET /v1/responses/{id}``: the log probabilities a response
@@ -169,7 +196,8 @@ def _no_obfuscation(raw: bool) -> bool:
 class RetrieveQuery(ResumeCursor):
     """``GET /v1/responses/{id}``: the object (``stream`` absent or false), or its events
     after ``starting_after`` (a sequence number, from 0; absent: from the first), or after
-    ``last_event_id`` (an event's SSE ``id:``, the sequence number plus one). ``include``
+    ``last_event_id`` (an event's SSE ``id:``, the sequence number plus one), kept alive at
+    ``keepalive_s`` (a stream's alone, as the cursors are). ``include``
     and ``include_obfuscation``, which the SDKs send from OpenAI's spec of this route, are
     taken at what this server does, as ``POST /v1/responses`` takes them: another value is
     a 400, not ignored. ``include`` decides what the object shows, and is refused with

@@ -371,7 +371,8 @@ async def _whole(
 
 async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     """``GET /v1/responses/{id}``: the object, or (``stream=true``) its events after
-    ``starting_after``, then the live tail (kept alive as the response's request asked)."""
+    ``starting_after``, then the live tail (kept alive at ``keepalive_s``, else as the
+    response's request asked)."""
     query = parse_mapping(request.query, RetrieveQuery)
     if not query.stream:
         # A cursor says where a stream of events starts: the object has none to start from.
@@ -379,6 +380,9 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
             if getattr(query, name) is not None:
                 message = f"{name} says where a stream of events starts: send stream=true with it"
                 raise HTTPAPIError(400, message, code="invalid_value", param=name)
+        if query.keepalive_s is not None:  # nor is the object, sent whole, kept alive
+            message = "keepalive_s keeps a stream of events alive: send stream=true with it"
+            raise HTTPAPIError(400, message, code="invalid_value", param="keepalive_s")
     elif query.include:
         # A stream replays the events as they were made, with the log probabilities their
         # request included: what to include applies to the object alone.
@@ -413,7 +417,9 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
             known_as=f"response {given_id}",  # the id the client has, not the log's
         )
     gone = HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
-    return await follow_resumed(request, info, store, local, after, place, gone=gone)
+    return await follow_resumed(
+        request, info, store, local, after, place, keepalive_s=query.keepalive_s, gone=gone
+    )
 
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:

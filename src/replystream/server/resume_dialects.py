@@ -8,8 +8,9 @@ a chat stream's client cannot be handed a native ``gap`` and then ``[DONE]``, as
 were whole. This file decides the dialect from the log's first kept event (or, when the log
 keeps none, from the dialect the route stored with the reply: ``ReplyInfo.dialect``), and
 the notices and keep-alive that dialect's own route uses; and how often it is kept alive:
-at the interval its reply's request asked (kept with the reply, in Redis too:
-``ReplyInfo.keepalive_s``), else the server's. It must not know how the events are written.
+at the interval the resume asks, else the one its reply's request asked (kept with the reply,
+in Redis too: ``ReplyInfo.keepalive_s``), else the server's. It must not know how the events
+are written.
 """
 
 from __future__ import annotations
@@ -57,12 +58,13 @@ async def follow_resumed(
     after: int,
     place: ResumePlace = BY_EVENT_ID,
     *,
+    keepalive_s: float | None = None,
     gone: HTTPAPIError | None = None,
 ) -> EventStream:
     """The response that streams reply ``info`` from after event ``after`` (named by the
     client as ``place`` says), in the dialect it was made in (both resume routes: ours, and
-    the Responses API's), kept alive at the interval the reply's request asked for, else at
-    the server's. ``gone``: the route's
+    the Responses API's), kept alive at ``keepalive_s`` (the resume's own ask), else at the
+    interval the reply's request asked for, else at the server's. ``gone``: the route's
     answer for a reply that expired or was deleted since it was found (its dialect can no
     longer be told, so no stream is begun)."""
     reply_id = info.reply_id
@@ -71,8 +73,9 @@ async def follow_resumed(
         raise gone or HTTPAPIError(404, "no such reply", code="reply_not_found")
     notices, keepalive = await _notices_from(head, reply_id, store, after, gone)
     policy = request.app[CONFIG_KEY].policy
-    if info.keepalive_s is not None:
-        policy = policy.with_overrides(keepalive_s=info.keepalive_s)
+    asked = info.keepalive_s if keepalive_s is None else keepalive_s
+    if asked is not None:
+        policy = policy.with_overrides(keepalive_s=asked)
     return follow_reply(
         request,
         reply_id=reply_id,
