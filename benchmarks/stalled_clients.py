@@ -4,6 +4,8 @@ Starts ``replystream serve`` with a fast reply of large tokens, opens N raw sock
 request a stream and never read, waits until the server has cut them all as slow clients,
 and prints the server's peak resident memory per stalled stream (Linux /proc). The bound is
 the slow-client byte limit plus the socket writer's high-water mark (64 KiB) per stream.
+It exits 1, saying why on its last line, when not every client was cut within
+``--wait-s`` or a stalled stream held more than that bound.
 
 Run: python benchmarks/stalled_clients.py [--clients 500] [--slow-client-bytes 1048576]
 """
@@ -14,6 +16,7 @@ import argparse
 import asyncio
 import re
 import socket
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -41,11 +44,14 @@ def slow_cuts(url: str) -> int:
     return metric(url, r'replystream_replies_total\{endpoint="/stream",outcome="slow_client"\}')
 
 
-async def main() -> None:
+async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=positive_int, default=500)
     parser.add_argument("--slow-client-bytes", type=positive_int, default=1 << 20)
     parser.add_argument("--slow-client-s", type=positive_float, default=5.0)
+    parser.add_argument(
+        "--wait-s", type=positive_float, default=120.0, help="how long every client has to be cut"
+    )
     args = parser.parse_args()
     word = "z" * 16000  # big tokens: the socket fills after a few hundred of them
     server_args = ["--engine", "simulated", "--reply-text", word, "--tokens", "2000"]
@@ -69,7 +75,7 @@ async def main() -> None:
                 sock.sendall(f"GET /stream HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
             started = time.monotonic()
             while (cut := await asyncio.to_thread(slow_cuts, url)) < args.clients:
-                if time.monotonic() - started > 120:
+                if time.monotonic() - started > args.wait_s:
                     break
                 await asyncio.sleep(0.5)
             peak = memory_kib(server.pid, "VmHWM")
@@ -88,6 +94,21 @@ async def main() -> None:
     print(f"server peak RSS           {peak / 1024:.1f} MiB")
     print(f"server RSS after closing  {after / 1024:.1f} MiB")
     print(f"peak per stalled stream   {per_stream:.1f} KiB (bound: {bound:.0f} KiB)")
+    if cut < args.clients:
+        print(
+            f"failed: {args.clients - cut} of {args.clients} stalled clients not cut within "
+            f"{args.wait_s:g} s",
+            file=sys.stderr,
+        )
+        return 1
+    if per_stream > bound:
+        print(
+            f"failed: a stalled stream held {per_stream:.1f} KiB, past its bound of "
+            f"{bound:.0f} KiB",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

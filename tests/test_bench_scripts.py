@@ -143,6 +143,22 @@ def test_the_soak_passes_on_a_healthy_server_at_a_small_size_with_slow_readers()
     assert "after a second half of 28 replies and 1 slow readers" in done.stdout
 
 
+def test_stalled_clients_passes_when_every_client_is_cut_and_fails_when_not() -> None:
+    # Before, a run whose clients were not all cut within its wait printed the count and
+    # exited 0, as a run that passed.
+    cut = run_script("stalled_clients.py", "--clients", "4", "--slow-client-bytes", "65536")
+    assert cut.returncode == 0, cut.stdout + cut.stderr
+    assert "cut as slow clients       4 in" in cut.stdout
+    held = run_script(
+        "stalled_clients.py",
+        *("--clients", "2", "--slow-client-bytes", "1073741824", "--slow-client-s", "3600"),
+        *("--wait-s", "1"),
+    )
+    assert held.returncode == 1, held.stdout + held.stderr
+    last = held.stderr.strip().splitlines()[-1]
+    assert last == "failed: 2 of 2 stalled clients not cut within 1 s", held.stderr
+
+
 @pytest.mark.parametrize(
     ("script", "args", "words"),
     [
