@@ -167,7 +167,9 @@ async def test_a_deep_or_unusual_schema_is_answered_never_a_500():
 
 async def test_a_large_schema_costs_the_server_little():
     # 16,000 properties in 770 KB: about 200 µs each in the reference implementation,
-    # 3.4 s of the event loop for one request; a few microseconds each here.
+    # 3.4 s of the event loop for one request; a few microseconds each here (0.1-0.2 s of
+    # the process's CPU for the whole request, client included; the bound leaves room for a
+    # loaded machine, and still catches the reference's cost).
     properties = {f"p{i}": {"type": "string", "pattern": "^a+$"} for i in range(16_000)}
     body = chat({"type": "object", "properties": properties})
     async with running(create_app(fast_engine(delay_ms=0.0, jitter_ms=0.0))) as url:
@@ -176,7 +178,7 @@ async def test_a_large_schema_costs_the_server_little():
         got = await post_events(f"{url}/v1/chat/completions", body)
         spent = time.process_time() - began
     assert got.status == 200
-    assert spent < 1.0
+    assert spent < 2.0
 
 
 @pytest.mark.parametrize(

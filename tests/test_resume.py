@@ -230,8 +230,9 @@ async def test_resume_of_an_expired_reply_fails_clearly():
 async def test_a_gap_with_nothing_logged_after_it_yet_is_sent_once():
     # A reply nobody may resume: its one reader's events are released as they are sent, so a
     # second reader joining finds them gone, and nothing after them until the next token
-    # (300 ms away). It is told of the gap once, then waits for that token.
-    engine = fast_engine(delay_ms=300, jitter_ms=0)
+    # (a second away: room for the join to arrive on a loaded machine). It is told of the
+    # gap once, then waits for that token.
+    engine = fast_engine(delay_ms=1000, jitter_ms=0)
     async with running(create_app(engine)) as url:
         first = await raw_request(f"{url}/v1/replies", "POST", b'{"prompt": "x", "max_tokens": 2}')
         reply_id = first.headers["x-reply-id"]
