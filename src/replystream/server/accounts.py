@@ -18,7 +18,7 @@ read the reply without following it to its end: its ``ObjectRead`` counts the ob
 was sent, and says no outcome.
 
 A WebSocket's ``reply`` message is not its request's (the socket's line is the upgrade's):
-each has a line of its own once it has ended (``guard.log_socket_reply``), from its
+each has a line of its own once it has ended (``access_log.log_socket_reply``), from its
 ``SocketReply``, which reads its reply as a ``ReplyAccount`` does.
 
 Nothing here runs per event. It must not know how the log is kept or how bytes are framed.

@@ -45,6 +45,7 @@ from replystream.engine.base import (
 )
 from replystream.server.anthropic_api import add_anthropic_routes
 from replystream.server.auth import KEY_RING, KeyRing, api_key_check
+from replystream.server.browser_guard import stamp_response
 from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
@@ -64,12 +65,7 @@ from replystream.server.context import (
 from replystream.server.embeddings_api import add_embeddings_route
 from replystream.server.errors import HTTPAPIError, retry_after_value
 from replystream.server.front_door import FrontDoor, add_unrouted, expect_later, front_door
-from replystream.server.guard import (
-    GATE_KEY,
-    GUARD_KEY,
-    ClientGate,
-    stamp_response,
-)
+from replystream.server.guard import GATE_KEY, GUARD_KEY, ClientGate
 from replystream.server.metrics import Metrics
 from replystream.server.native import parse_reply_request
 from replystream.server.native_schemas import ReplyBody

@@ -41,8 +41,8 @@ from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
 from replystream.server.accepting import BatchAcceptingServer
+from replystream.server.access_log import log_refused
 from replystream.server.errors import error_response, in_route_shape
-from replystream.server.guard import log_refused
 
 log = logging.getLogger("replystream.server")
 

@@ -52,19 +52,12 @@ from replystream.engine.base import (
 )
 from replystream.engine.choices import ChoicesStream, start_choices
 from replystream.server import ids
+from replystream.server.access_log import ACCOUNT, REPLY_ID, REQUEST_ID, UPGRADED, Account
 from replystream.server.accounts import ReplyAccount
 from replystream.server.auth import OWNER, client_key
 from replystream.server.buffered import Several, Whole, buffered_reply
 from replystream.server.errors import HTTPAPIError, in_route_shape
-from replystream.server.guard import (
-    ACCOUNT,
-    GATE_KEY,
-    REPLY_ID,
-    REQUEST_ID,
-    UPGRADED,
-    Account,
-    identity_of,
-)
+from replystream.server.guard import GATE_KEY, identity_of
 from replystream.server.metrics import Metrics, ReaderSends, ReplyRecord
 from replystream.server.refusal_names import refused
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
@@ -251,7 +244,7 @@ async def admitted(request: web.Request, record: ReplyRecord, starting: Awaitabl
 
 
 def keep_account(request: web.Request, account: Account) -> None:
-    """Make ``account`` the request's (``guard.ACCOUNT``), unless the request is a
+    """Make ``account`` the request's (``access_log.ACCOUNT``), unless the request is a
     WebSocket's: its socket carries replies of its own, none of them the request's."""
     if not request.get(UPGRADED):
         request[ACCOUNT] = account

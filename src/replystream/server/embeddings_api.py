@@ -21,6 +21,7 @@ from aiohttp import web
 from pydantic import Field, PlainValidator
 
 from replystream.engine.base import Embedder, Embeddings
+from replystream.server.access_log import ACCOUNT
 from replystream.server.context import (
     ENGINE_KEY,
     KEY_LABEL_CHARS,
@@ -34,7 +35,6 @@ from replystream.server.context import (
 )
 from replystream.server.errors import HTTPAPIError
 from replystream.server.front_door import expect_later
-from replystream.server.guard import ACCOUNT
 from replystream.server.openai_api import routed_model, served_model
 from replystream.server.schema_fields import Strict, invalid
 from replystream.server.validation import read_model

@@ -27,22 +27,26 @@ from functools import partial
 from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
-from replystream.server.errors import HTTPAPIError, error_response, in_route_shape
-from replystream.server.guard import (
+from replystream.server.access_log import (
     ACCOUNT,
-    ADMITTED,
-    LIMITED_PREFIXES,
     UPGRADED,
-    ClientGate,
     access_log,
     assign_request_id,
-    foreign_page_refusal,
-    identity_of,
     log_access,
-    needs_no_room,
+)
+from replystream.server.browser_guard import (
+    foreign_page_refusal,
     preflight_response,
-    rate_limited,
     rebinding_refusal,
+)
+from replystream.server.errors import HTTPAPIError, error_response, in_route_shape
+from replystream.server.guard import (
+    ADMITTED,
+    LIMITED_PREFIXES,
+    ClientGate,
+    identity_of,
+    needs_no_room,
+    rate_limited,
 )
 from replystream.server.response_gzip import gzip_if_worthwhile
 

@@ -29,7 +29,7 @@ class GuardConfig:
     idle_timeout_s: float = 75.0
     cors_origins: tuple[str, ...] = ()
     # Names a request reaching a loopback address may give in its Host besides local ones
-    # (``guard.rebinding_refusal``); ``*`` takes any.
+    # (``browser_guard.rebinding_refusal``); ``*`` takes any.
     allowed_hosts: tuple[str, ...] = ()
     trusted_proxies: tuple[Network, ...] = ()
 

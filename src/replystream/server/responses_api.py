@@ -58,6 +58,7 @@ from replystream.delivery.responses_objects import (
 from replystream.delivery.sliced_json import Sliced
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
+from replystream.server.access_log import ACCOUNT, REPLY_ID
 from replystream.server.accounts import ObjectRead
 from replystream.server.buffered import WHOLE_REPLY, Whole
 from replystream.server.context import (
@@ -69,7 +70,7 @@ from replystream.server.context import (
 )
 from replystream.server.errors import HTTPAPIError
 from replystream.server.front_door import expect_later
-from replystream.server.guard import ACCOUNT, REPLY_ID, hold_background
+from replystream.server.guard import hold_background
 from replystream.server.native import (
     delivery_overrides,
     sampling_params,

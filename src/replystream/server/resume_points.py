@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from aiohttp import web
 
 from replystream.delivery.replay import ReplayStore, ReplyInfo, StoreUnavailable
+from replystream.server.access_log import REPLY_ID
 from replystream.server.context import (
     LOCAL_STORE_KEY,
     MANAGER_KEY,
@@ -23,7 +24,6 @@ from replystream.server.context import (
     owner_of,
 )
 from replystream.server.errors import HTTPAPIError
-from replystream.server.guard import REPLY_ID
 from replystream.server.query_schemas import ResumeCursor
 from replystream.server.replies import Reply
 from replystream.server.validation import parse_mapping, repeated

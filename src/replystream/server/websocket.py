@@ -56,6 +56,7 @@ from aiohttp import HttpVersion11, WSMessage, WSMsgType, web
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.task_stop import forget_cancellation
+from replystream.server.access_log import SOCKET_REPLIES, UPGRADED, log_socket_reply
 from replystream.server.accounts import SocketReply
 from replystream.server.auth import (
     AUTH_PENDING,
@@ -76,15 +77,7 @@ from replystream.server.context import (
 )
 from replystream.server.errors import HTTPAPIError, error_body, retry_after_value
 from replystream.server.front_door import expect_later
-from replystream.server.guard import (
-    GATE_KEY,
-    RATE_LIMITED,
-    SOCKET_REPLIES,
-    UPGRADED,
-    count_as_owner,
-    identity_of,
-    log_socket_reply,
-)
+from replystream.server.guard import GATE_KEY, RATE_LIMITED, count_as_owner, identity_of
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.native_schemas import AuthMessage, CancelMessage, ReplyMessage
 from replystream.server.openai_api import routed_model
