@@ -21,7 +21,7 @@ from replystream.server.context import LOCAL_STORE_KEY, METRICS_KEY
 from replystream.server.guard import GATE_KEY
 from replystream.server.guard_config import GuardConfig
 from replystream.server.server_config import ServerConfig
-from replystream.server.websocket import CLOSE_TIMEOUT_S, Session
+from replystream.server.socket_session import CLOSE_TIMEOUT_S, Session
 from replystream.server.ws_transport import PING_FRAME, SocketKeepalive, WebSocketTransport
 from tests.conftest import fast_engine, wait_for
 from tests.sse_client import post_events
@@ -623,7 +623,7 @@ async def test_a_message_that_fails_anywhere_is_an_error_for_its_tag_and_other_r
             raise RuntimeError("injected")
         return parse(body, defaults, max_prompt_chars, caller=caller, model=model)
 
-    monkeypatch.setattr("replystream.server.websocket.parse_reply_request", parse_with_a_bug)
+    monkeypatch.setattr("replystream.server.socket_replies.parse_reply_request", parse_with_a_bug)
     engine = fast_engine(delay_ms=10, jitter_ms=0)
     bad = {
         "bug": {"type": "reply", "id": "bug", "prompt": "bug"},

@@ -122,7 +122,7 @@ class ClientGate:
     def spend(self, identity: str, now: float) -> float | None:
         """One request of ``identity``'s rate: None if it may go (counted), else seconds to
         wait. Each reply a WebSocket starts is one too (the socket is one open request, and
-        each reply running beside its first one more: ``websocket.Session._admit``)."""
+        each reply running beside its first one more: ``SocketRooms``)."""
         if not self.per_minute:
             return None
         rate = self.per_minute / 60.0
@@ -186,6 +186,43 @@ def _count_down(counts: dict[str, int], identity: str) -> None:
 
 def _nothing() -> None:
     pass
+
+
+class SocketRooms:
+    """The room a WebSocket's replies take among its client's limits, as HTTP counts its
+    requests: each reply is one more of --requests-per-minute; past the first running on the
+    socket, one more of --max-concurrent-per-client (the socket is one open request, its
+    first reply's), so a socket runs no more replies at once than its client could over
+    HTTP. The room is given back as replies end."""
+
+    def __init__(self, gate: ClientGate) -> None:
+        self._gate = gate
+        self._replies = 0  # replies counted and not over yet
+        self._rooms: list[str] = []  # whom each room past the socket's own is counted against
+
+    def admit(self, identity: str, now: float) -> float | None:
+        """Count a reply about to start: None if it may (counted), else seconds to wait."""
+        gate = self._gate
+        another = bool(gate.max_concurrent and self._replies)
+        wait = gate.admit(identity, now) if another else gate.spend(identity, now)
+        if wait is not None:
+            return wait
+        if another:
+            self._rooms.append(identity)
+        self._replies += 1
+        return None
+
+    def reply_over(self) -> None:
+        """A reply counted by ``admit`` is over: a socket holds as many rooms as it runs
+        replies, and never fewer than its own."""
+        self._replies -= 1
+        if len(self._rooms) > max(0, self._replies - 1):
+            self._gate.release(self._rooms.pop())
+
+    def release_all(self) -> None:
+        """The socket is done: every room it still holds is free."""
+        while self._rooms:
+            self._gate.release(self._rooms.pop())
 
 
 # The server's one gate, for the routes that admit more than their request (a WebSocket's
