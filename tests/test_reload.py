@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.processes import launch, ready_url, replica, stop
 from tests.sse_client import post_events
-from tests.test_gateway_workers import pin_each_worker
+from tests.test_gateway_workers import Samples, pin_each_worker
 from tests.test_workers import children_of
 
 pytestmark = pytest.mark.slow
@@ -247,6 +247,48 @@ async def test_every_worker_reloads_on_one_signal_to_the_parent(tmp_path: Path):
             async with pin_each_worker(url, children_of(process.pid)) as pinned:
                 for worker in pinned.values():  # the new one's scrape, and the other's
                     assert upstreams_shown(await worker.scrape()) == {f"{b}/v1"}
+
+
+async def scraped_by_each(url: str, process: asyncio.subprocess.Process) -> list[Samples]:
+    """A scrape through each worker, once each has written its readings (as it answers a
+    scrape): what both count now, read by either."""
+    async with pin_each_worker(url, children_of(process.pid)) as pinned:
+        for worker in pinned.values():
+            await worker.scrape()
+        return [await worker.scrape() for worker in pinned.values()]
+
+
+async def test_an_upstream_taken_out_and_put_back_keeps_its_first_text_counts_with_workers(
+    tmp_path: Path,
+):
+    # The relay keeps the counts of an upstream taken out, and counts on from them when it
+    # comes back; each worker writes its histogram into the shared files as what changed
+    # since it last wrote. An upstream put back was once written again whole on top of what
+    # the files held: its first texts were counted twice.
+    async with (
+        replica(*upstream("alpha", "model-a")) as (_, a),
+        replica(*upstream("beta", "model-b")) as (_, b),
+    ):
+        file = tmp_path / "routes.toml"
+        both = routes((a, "model-a"), (b, "model-b"))
+        file.write_text(both)
+        at_a = (("upstream", f"{a}/v1"),)
+        first_texts = "replystream_upstream_time_to_first_token_seconds_count", at_a
+        sent = "replystream_upstream_attempts", (("result", "ok"), *at_a)
+        async with relay(file, "--workers", "2") as (process, url, stderr):
+            assert await asyncio.gather(*(ask(url, "model-a") for _ in range(6))) == ["alpha "] * 6
+            for seen in await scraped_by_each(url, process):
+                assert (seen[sent], seen[first_texts]) == (6, 6)
+            file.write_text(routes((b, "model-b")))
+            process.send_signal(signal.SIGHUP)
+            await stderr.wait_for("routes reloaded", count=2)
+            for seen in await scraped_by_each(url, process):
+                assert f"{a}/v1" not in upstreams_shown(seen)
+            file.write_text(both)
+            process.send_signal(signal.SIGHUP)
+            await stderr.wait_for("routes reloaded", count=4)
+            for seen in await scraped_by_each(url, process):
+                assert (seen[sent], seen[first_texts]) == (6, 6)
 
 
 async def status_with(url: str, key: str) -> int:

@@ -127,7 +127,8 @@ _GAPS_NAME = "replystream_time_between_tokens_seconds"
 _GAPS_HELP = "Server time between consecutive tokens of a reply."
 
 # Cumulative counts per label value, read from their owner when the histogram is exported:
-# (label value, count per bucket with the last one past every bound, sum).
+# (label value, count per bucket with the last one past every bound, sum); a value that goes
+# and comes back counts on from where it was.
 HistogramTotals = Callable[[], Iterable[tuple[str, Sequence[int], float]]]
 
 
@@ -169,15 +170,14 @@ class KeyedHistogram:
 
     def _read_totals(self) -> None:
         """The counts as their owner holds them now: a key it no longer has (an upstream
-        taken out of the routes) goes, and comes back from its owner's counts."""
+        taken out of the routes) goes, and comes back with its owner's counts. What was
+        published of a key that went stays: its owner counts on from where it was (the
+        relay keeps an upstream's counts), so only what it adds is published again."""
         if self._totals is None:
             return
         self.counts, self.sums = {}, {}
         for key, counts, total in self._totals():
             self.counts[key], self.sums[key] = list(counts), total
-        for key in [k for k in self._files if k not in self.counts]:
-            # Its files keep what was published; counts that come back add to it.
-            del self._files[key], self._published[key]
 
     def publish(self) -> None:
         """Write what was observed since the last call into this process's multiprocess
