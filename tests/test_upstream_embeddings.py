@@ -23,6 +23,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from replystream.engine.simulated import SimulatedConfig, SimulatedEngine
 from replystream.engine.upstream import UpstreamEngine
@@ -513,3 +514,24 @@ async def test_a_client_that_leaves_closes_its_request_upstream():
             await asyncio.sleep(0.05)
     assert len(up.bodies) == 1 and up.left == 1  # its connection was closed, not left open
     assert ended in metrics
+
+
+async def test_an_answer_that_took_its_upstream_a_while_spent_none_of_it_in_a_queue():
+    # The time an upstream takes to make embeddings is no wait for room (the relay holds no
+    # queue here: no limit). Counted as queue time, every embeddings answer showed as queued
+    # for as long as its upstream worked on it.
+    async with relay([EmbeddingUpstream(["e"], mode="slow", slow_s=0.5)]) as url:
+        assert (await post(url, {"model": "e", "input": "x"}))[0] == 200
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as got:
+            metrics = await got.text()
+    counted = {
+        (sample.name, tuple(sorted(sample.labels.values()))): sample.value
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+    }
+    at_route = ("/v1/embeddings",)
+    assert counted["replystream_end_to_end_seconds_count", at_route] == 1
+    assert counted["replystream_end_to_end_seconds_sum", at_route] >= 0.5
+    assert counted.get(("replystream_queue_seconds_count", at_route), 0) == 0
+    # Its prompt tokens still count: the upstream took the request up.
+    assert counted["replystream_key_tokens_total", ("anonymous", "prompt")] == 1

@@ -111,6 +111,7 @@ async def handle_embeddings(request: web.Request) -> web.Response:
     fields = body.model_dump(exclude_none=True, exclude={"model"})
     record = app[METRICS_KEY].record(ENDPOINT, streamed=False)
     record.key = owner_of(request)[:KEY_LABEL_CHARS]
+    record.queues = False  # (its answer comes whole: the upstream's time is no queue's)
     request[ACCOUNT] = record
     refuse_when_stopping(request, record)
     work = asyncio.ensure_future(

@@ -234,6 +234,9 @@ class ReplyRecord:
     streamed: bool
     arrived_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
+    # False for an answer the engine makes whole in one call (embeddings): it is taken up
+    # and answered at once, so no moment in it ends a time in a queue.
+    queues: bool = True
     first_token_at: float | None = None
     last_token_at: float | None = None
     gaps: KeyedHistogram | None = None  # where time between tokens goes, as it happens
@@ -549,7 +552,7 @@ class Metrics:
             )
         outcome.inc()
         children.e2e.observe(ended - record.arrived_at)
-        if record.admitted_at is not None:
+        if record.admitted_at is not None and record.queues:
             children.queue.observe(record.admitted_at - record.arrived_at)
         if record.first_token_at is not None:
             children.ttft.observe(record.first_token_at - record.arrived_at)
