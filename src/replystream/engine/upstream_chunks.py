@@ -136,6 +136,14 @@ def _cached_count(usage: dict[str, Any], prompt_tokens: int | None) -> int | Non
     return cached
 
 
+def _thinks(delta: dict[str, Any]) -> bool:
+    """Whether a delta carries thinking (``REASONING_KEYS``). One with text too is where a
+    reasoning model's thinking ended and its answer began in one engine step (vLLM's
+    reasoning parsers split that step's text at ``</think>`` into both fields of one delta):
+    the thinking is its first part."""
+    return bool(delta.get("reasoning_content") or delta.get("reasoning"))
+
+
 def _has_output(choice: object) -> bool:
     """Whether a chunk's choice carries text or a tool call (not only a role or a reason)."""
     if not isinstance(choice, dict):
@@ -611,12 +619,16 @@ class ChunkReader:
                 if type(delta) is dict and delta.get("tool_calls") is None:
                     text = delta.get("content")
                     if type(text) is str:
-                        if text:
+                        if not text:
+                            self._thinking(delta, now)
+                        elif _thinks(delta):  # the thinking's end, then the answer's start
+                            self._thinking(delta, now)
+                            self._tokens += 1
+                            self._pending.append(Delta(text, 1, now))
+                        else:
                             self._tokens += 1
                             self._pending.append(Delta(text, 1, now))
                             self._common_text, self._common_key = text, _CONTENT_KEY
-                        else:
-                            self._thinking(delta, now)
                         return
                 elif delta is None:  # a legacy completion's chunk
                     text = choice.get("text")
@@ -643,6 +655,8 @@ class ChunkReader:
             )
         for choice in choices:
             delta, text = self._checked_choice(choice)
+            if isinstance(delta, dict) and (not text or _thinks(delta)):
+                self._thinking(delta, now)  # before the text beside it: it came first
             if text:
                 logprobs = choice.get("logprobs")  # only sent when the request asked
                 if logprobs:
@@ -661,8 +675,6 @@ class ChunkReader:
                 else:
                     self._tokens += 1
                     self._pending.append(Delta(text, 1, now))
-            elif isinstance(delta, dict):
-                self._thinking(delta, now)
             calls = delta.get("tool_calls") if isinstance(delta, dict) else None
             if calls:
                 self._tool_calls(calls, now)
@@ -744,11 +756,11 @@ class ChunkReader:
                 self._cached_prompt_tokens = _cached_count(usage, self._prompt_tokens)
 
     def _thinking(self, delta: dict[str, object], now: float) -> None:
-        """A delta with no text may carry a reasoning model's thinking: relayed when the
-        request asked for it, and the upstream at work either way (a relay's time limits
-        count it as progress). One spelling only, the first found: an upstream that sends
-        both spells the same thought twice. Or it may carry a piece of the model's refusal
-        (``_refusal``)."""
+        """A delta may carry a reasoning model's thinking (alone, or before its text:
+        ``_thinks``): relayed when the request asked for it, and the upstream at work either
+        way (a relay's time limits count it as progress). One spelling only, the first found:
+        an upstream that sends both spells the same thought twice. Or, with no text, it may
+        carry a piece of the model's refusal (``_refusal``)."""
         for key in REASONING_KEYS:
             thought = delta.get(key)
             if type(thought) is str and thought:
