@@ -136,11 +136,12 @@ class Upstream:
 
 
 class Scripted(Upstream):
-    """Streams ``pieces`` (whole SSE events, as written), then ``[DONE]``."""
+    """Streams ``pieces`` (whole SSE events, as written), then ``done`` (``[DONE]``)."""
 
-    def __init__(self, pieces: Sequence[bytes]) -> None:
+    def __init__(self, pieces: Sequence[bytes], done: bytes = b"data: [DONE]\n\n") -> None:
         super().__init__(["m"])
         self.pieces = tuple(pieces)
+        self.done = done
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
@@ -148,7 +149,7 @@ class Scripted(Upstream):
         await response.prepare(request)
         for piece in self.pieces:
             await response.write(piece)
-        await response.write(b"data: [DONE]\n\n")
+        await response.write(self.done)
         return response
 
 

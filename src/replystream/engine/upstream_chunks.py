@@ -21,7 +21,9 @@ as an ``UpstreamStreamError`` with its own code, within bounded memory:
   or an ``error: {...}`` line, llama.cpp's server's before October 2025); one before any
   output that says the request is past the model's context is ``context_length_exceeded``;
 - ``upstream_bad_chunk``: a ``data:`` payload that is not a JSON chunk object (one whose
-  ``choices`` is null or absent has none: that is no failure). A lone UTF-16 surrogate
+  ``choices`` is null or absent has none: that is no failure), or ``[DONE]`` before a finish
+  reason (but after tool calls whose arguments each make a JSON object, as TGI ends every
+  call it streams: that reply finished with its calls). A lone UTF-16 surrogate
   escape is no failure either: Node.js's ``JSON.stringify`` writes one for each half of a
   character its server cut between two chunks. The halves are joined (a piece's high
   surrogate at its end and the low one at the start of the next piece of the same kind, into
@@ -368,6 +370,9 @@ class ChunkReader:
         # piece repeating them (llama-cpp-python's server sends both on every piece) names
         # nothing new.
         self._call_names: dict[int, tuple[str, str]] = {}
+        # Each tool call's arguments as they came, by its index: whether they make a whole
+        # JSON object decides what a ``[DONE]`` with no finish reason after them means.
+        self._call_arguments: dict[int, list[str]] = {}
         self._said_late = False  # output after the finish reason was logged (once a reply)
         self._ended = False  # the last delta was queued (or an error raised)
         self._clean = False  # the upstream finished its reply: the connection may be reused
@@ -472,9 +477,17 @@ class ChunkReader:
         data = event.data
         if data[:1] != "{" and data.strip() == "[DONE]":  # a chunk is an object: no strip
             if self._finish is None:
-                raise self._fail(
-                    f"{self._where} sent [DONE] with no finish reason", "upstream_bad_chunk"
-                )
+                if not self._calls_whole():
+                    raise self._fail(
+                        f"{self._where} sent [DONE] with no finish reason", "upstream_bad_chunk"
+                    )
+                # Tool calls, each one's arguments a whole JSON object, then the stream's own
+                # end with no reason given: TGI ends every tool call so (the token after a
+                # call's JSON makes no chunk), and so do some hosted services. The reply is
+                # whole, and it ended with the calls. (A server that cuts a reply short with
+                # [DONE], as llama-cpp-python's does for a newer request, most often leaves a
+                # call's arguments unclosed: that is still a failure.)
+                self._finish = "tool_calls"
             self._finish_reply(now)
             return
         try:
@@ -828,10 +841,24 @@ class ChunkReader:
                     self._call_names[index] = (named_id, name)
                 else:
                     name = None
+            self._call_arguments.setdefault(index, []).append(arguments)
             self._tokens += 1
             self._pending.append(
                 Delta("", 1, now, tool_call=ToolCallDelta(index, call_id, name, arguments))
             )
+
+    def _calls_whole(self) -> bool:
+        """Whether some tool call came, and each one's arguments make a JSON object."""
+        if not self._call_arguments:
+            return False
+        for pieces in self._call_arguments.values():
+            try:
+                arguments = from_json("".join(pieces))
+            except ValueError:
+                return False
+            if type(arguments) is not dict:
+                return False
+        return True
 
     def _index_of_unnumbered(self, call_id: str | None, name: str | None) -> int:
         """The index of a ``tool_calls`` entry without one, as Gemini's OpenAI-compatible API
