@@ -411,6 +411,43 @@ async def test_a_sighup_while_serve_starts_does_not_stop_it(tmp_path: Path, work
         await stop(process)
 
 
+async def test_a_sighup_after_serve_read_its_file_is_served_once_it_listens(tmp_path: Path):
+    """The keys file is read early in a start; a key revoked in it after that, and SIGHUP sent
+    (a leaked key, and a server that happened to be starting), was ignored with the signal:
+    the server served the file as read before the edit, the revoked key let in. The start is
+    held at a known point after the file was read: its first contact with Redis, at a
+    stand-in that answers only once the test has edited the file and signalled."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-old\n")
+    contacted = asyncio.Event()
+    edited = asyncio.Event()
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        contacted.set()
+        await edited.wait()
+        writer.close()  # not reached: serve says so and serves
+
+    stand_in = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = stand_in.sockets[0].getsockname()[1]
+    process = await launch(
+        *upstream("hello", "simulated"), "--api-keys-file", str(keys),
+        "--redis-url", f"redis://127.0.0.1:{port}/0", stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        await asyncio.wait_for(contacted.wait(), 30)
+        keys.write_text("sk-new\n")
+        process.send_signal(signal.SIGHUP)  # delivered as it waits for Redis
+        edited.set()
+        url = await ready_url(process)
+        stderr = StderrLines(process)
+        [line] = await stderr.wait_for("API keys reloaded")
+        assert f"from {keys}: 1 key" in line, line
+        assert [await status_with(url, k) for k in ("sk-old", "sk-new")] == [401, 200]
+    finally:
+        stand_in.close()
+        await stop(process)
+
+
 async def test_with_no_file_to_read_again_sighup_stops_serve():
     process = await launch(*upstream("hello", "simulated"))
     try:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import NoReturn
 
-from replystream import __version__, start_interrupt
+from replystream import __version__, start_hangup, start_interrupt
 from replystream.cli_values import DefaultsHelpFormatter
 
 DESCRIPTION = "Stream language-model replies, and measure streams: serve, lab, bench, doctor, kv."
@@ -179,8 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.pop("MPLBACKEND", None)
     if next((a for a in argv if not a.startswith("-")), None) == "serve":
         # A reload signal (``systemctl reload``) may come while serve starts: before it
-        # knows which files it reads again, it must not stop. ``serve`` decides once it does.
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        # knows which files it reads again, it must not stop, and one that came after a file
+        # was read must not be lost. ``serve`` decides once it knows (``start_hangup``).
+        start_hangup.remember()
         start_interrupt.remember()  # a Ctrl-C while it loads is never lost
     elif (
         signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

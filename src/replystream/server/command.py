@@ -21,7 +21,7 @@ import socket
 import sys
 from collections.abc import Callable
 
-from replystream import settings
+from replystream import settings, start_hangup
 from replystream.delivery.moderation import BannedPhrases, Check, RegexCheck, secret_check
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import MemoryReplayStore, ReplayStore
@@ -258,10 +258,14 @@ def run(args: argparse.Namespace) -> int:
                 "longest (--holdback-tokens 4, say)"
             )
         reloads = names_files_read_again(args, choice.kind)
-        # Ignored since start-up (``cli.main``): with no file to read again, SIGHUP ends a
-        # start under way, as it ends any process (once serving, it stops the server as
-        # SIGTERM does); with one, it is ignored until the server listens.
-        signal.signal(signal.SIGHUP, signal.SIG_IGN if reloads else signal.SIG_DFL)
+        # Remembered since start-up (``cli.main``): with no file to read again, SIGHUP ends
+        # a start under way, as it ends any process (once serving, it stops the server as
+        # SIGTERM does); with one, a SIGHUP before the server serves reads the files once
+        # more as it begins to (``start_hangup``): they may have been read before the edit.
+        if reloads:
+            start_hangup.remember()
+        else:
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
         if args.workers > 1 and args.listen_fd is None:  # (a worker never has workers)
             if args.redis_url is None:
                 log.warning(

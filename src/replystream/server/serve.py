@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from replystream import start_interrupt
+from replystream import start_hangup, start_interrupt
 from replystream.server.connection import GuardedSockSite
 from replystream.server.context import CONFIG_KEY, MANAGER_KEY
 from replystream.server.listening import LISTEN_BACKLOG, bind_socket, listening_lines, url_of
@@ -160,9 +160,9 @@ async def serve_forever(
     (tools read its first line); a worker serving an inherited socket passes None and stays
     quiet (its parent announces the URL once ``on_serving`` said so for every worker), and its
     parent's ``parent_pid``: it also stops, the same way, when that parent is gone. With
-    ``on_hangup``, a SIGHUP calls it; else it stops the server as SIGTERM does (a terminal
-    closed, or a reload asked of a server with nothing to read again, must not cut its
-    replies without a word)."""
+    ``on_hangup``, a SIGHUP calls it (and one that came while the server started, once it
+    serves); else it stops the server as SIGTERM does (a terminal closed, or a reload asked
+    of a server with nothing to read again, must not cut its replies without a word)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -178,6 +178,10 @@ async def serve_forever(
             announce_lines(announce(server.url))
         if on_serving is not None:
             on_serving()
+        if on_hangup is not None and start_hangup.came():
+            # A SIGHUP while it started (before the loop took the signal over): the files
+            # may have been read before the edit it was sent for.
+            on_hangup()
         if parent_pid is None:
             await stop.wait()
         else:
