@@ -189,6 +189,39 @@ async def test_a_file_with_a_mistake_changes_nothing_and_says_why(tmp_path: Path
             assert not any("Traceback" in line for line in stderr.lines), stderr.lines
 
 
+NESTED = '[[upstreams]]\nurl = "http://127.0.0.1:1/v1"\nx = ' + "[" * 5000 + "]" * 5000 + "\n"
+
+
+async def test_a_routes_file_nested_too_deeply_is_one_line_at_start_and_at_reload(
+    tmp_path: Path,
+):
+    """TOML's parser recurses into each nested array: a file nested thousands deep (a
+    generated one gone wrong) stopped the start with a RecursionError's traceback, and a
+    reload logged one of some thousand lines."""
+    deep = tmp_path / "deep.toml"
+    deep.write_text(NESTED)
+    started = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "replystream", "serve", "--port", "0", "--engine", "upstream",
+         "--upstream-routes", str(deep)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert started.returncode == 2, started.stderr
+    assert started.stderr.splitlines() == [
+        f"replystream serve: --upstream-routes {deep}: not valid TOML (nested too deeply)"
+    ]
+    async with replica(*upstream("alpha", "model-a")) as (_, a):
+        file = tmp_path / "routes.toml"
+        file.write_text(routes((a, "model-a")))
+        async with relay(file) as (process, url, stderr):
+            file.write_text(NESTED)
+            process.send_signal(signal.SIGHUP)
+            [line] = await stderr.wait_for("routes not reloaded")
+            assert line.endswith(f"--upstream-routes {file}: not valid TOML (nested too deeply)\n")
+            assert await ask(url, "model-a") == "alpha "  # the routes served before
+            assert not any("Traceback" in line for line in stderr.lines), stderr.lines[:3]
+
+
 async def test_a_routes_file_dropping_the_last_limit_is_taken_and_the_idle_flag_said(
     tmp_path: Path,
 ):

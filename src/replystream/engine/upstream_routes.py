@@ -271,6 +271,8 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not valid TOML ({exc})") from None
+    except RecursionError:  # tomllib recurses into each nested array or table
+        raise ValueError(f"{path}: not valid TOML (nested too deeply)") from None
     try:
         parsed = RoutesFile.model_validate(raw)
     except ValidationError as exc:
