@@ -382,6 +382,34 @@ async def test_the_api_keys_file_read_again_revokes_and_grants_keys(tmp_path: Pa
         assert not any("Traceback" in line for line in stderr.lines), stderr.lines
 
 
+BOM = "\ufeff"  # what some Windows editors write at the start of a UTF-8 file
+
+
+async def test_files_saved_with_a_byte_order_mark_are_read_at_start_and_at_reload(
+    tmp_path: Path,
+):
+    """A routes file beginning with a byte-order mark was refused as "not valid TOML (Invalid
+    statement (at line 1, column 1))", where the operator sees nothing; a keys file's first key
+    as having a character no header carries ('\\ufeff')."""
+    async with (
+        replica(*upstream("alpha", "simulated")) as (_, a),
+        replica(*upstream("beta", "simulated")) as (_, b),
+    ):
+        file, keys = tmp_path / "routes.toml", tmp_path / "keys.txt"
+        file.write_text(BOM + routes((a, "simulated")), encoding="utf-8")
+        keys.write_text(BOM + "sk-one\n", encoding="utf-8")
+        async with relay(file, "--api-keys-file", str(keys)) as (process, url, stderr):
+            assert await status_with(url, "sk-one") == 200
+            file.write_text(BOM + routes((b, "simulated")), encoding="utf-8")
+            keys.write_text(BOM + "sk-two\n", encoding="utf-8")
+            process.send_signal(signal.SIGHUP)
+            [line] = await stderr.wait_for("routes reloaded")
+            assert f"from {file}: 1 upstream (added {b}/v1; removed {a}/v1)" in line, line
+            [line] = await stderr.wait_for("API keys reloaded")
+            assert f"from {keys}: 1 key" in line, line
+            assert [await status_with(url, k) for k in ("sk-one", "sk-two")] == [401, 200]
+
+
 async def test_a_worker_restarted_on_a_file_its_peers_refused_waits_for_it_and_they_serve_on(
     tmp_path: Path,
 ):

@@ -266,7 +266,10 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
             # A pipe would be read until a writer closes it (a reload's wait stopping the
             # server), a device for ever.
             raise ValueError(f"{path}: is not a regular file (a pipe, a device): want the file")
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        # A byte-order mark, which some Windows editors write at the start of a UTF-8 file,
+        # is no part of the text: TOML would refuse it as an "invalid statement" at line 1,
+        # column 1, where the operator sees nothing wrong.
+        raw = tomllib.loads(path.read_text(encoding="utf-8").removeprefix("\ufeff"))
     except OSError as exc:
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

@@ -25,7 +25,9 @@ def read_keys_file(path: Path) -> list[str]:
             # A pipe would be read until a writer closes it (a reload's wait stopping the
             # server), a device for ever.
             raise ValueError(f"{path}: is not a regular file (a pipe, a device): want the file")
-        text = path.read_text(encoding="utf-8")
+        # Without the byte-order mark some Windows editors write at the start of a UTF-8
+        # file: it is no part of the first key (which would be refused for it).
+        text = path.read_text(encoding="utf-8").removeprefix("\ufeff")
     except OSError as exc:
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
