@@ -222,6 +222,34 @@ async def test_a_routes_file_nested_too_deeply_is_one_line_at_start_and_at_reloa
             assert not any("Traceback" in line for line in stderr.lines), stderr.lines[:3]
 
 
+async def test_a_reload_that_leaves_the_server_unready_says_so(tmp_path: Path):
+    """Routes that no longer list the model ``--upstream-model`` names make ``/healthz`` 503
+    (a load balancer takes the server out): a start with them says so, a reload said only
+    "routes reloaded"."""
+    async with (
+        replica(*upstream("alpha", "model-a")) as (_, a),
+        replica(*upstream("beta", "model-b")) as (_, b),
+    ):
+        file = tmp_path / "routes.toml"
+        file.write_text(routes((a, "model-a")))
+        async with relay(file, "--upstream-model", "model-a") as (process, url, stderr):
+            assert (await get(f"{url}/healthz"))[0] == 200
+            file.write_text(routes((b, "model-b")))
+            process.send_signal(signal.SIGHUP)
+            [line] = await stderr.wait_for("routes reloaded")
+            assert line.endswith(
+                "0 aliases; the engine is not ready: no upstream serves the model 'model-a' "
+                "(--upstream-model, what a request that names no model is sent as): they "
+                "serve 'model-b'; /healthz answers 503\n"
+            ), line
+            assert (await get(f"{url}/healthz"))[0] == 503
+            file.write_text(routes((b, "model-b"), aliases={"model-a": "model-b"}))
+            process.send_signal(signal.SIGHUP)
+            [_, line] = await stderr.wait_for("routes reloaded", count=2)
+            assert line.endswith("1 alias\n"), line  # ready again: nothing more said
+            assert (await get(f"{url}/healthz"))[0] == 200
+
+
 async def test_a_routes_file_dropping_the_last_limit_is_taken_and_the_idle_flag_said(
     tmp_path: Path,
 ):

@@ -131,7 +131,14 @@ def reloads_for(
             change = await engine.reroute(config)
             if gauges is not None:
                 gauges.sync()  # a row for each upstream routed to now
-            return change_line(path, change)
+            said = change_line(path, change)
+            # As at start-up: routes that leave the server unable to serve (a model the
+            # command line names that no upstream lists now) are taken, and said, lest
+            # /healthz turn 503 with nothing in the log but "reloaded".
+            readiness = await engine.readiness()
+            if not readiness.ready:
+                said += f"; the engine is not ready: {readiness.reason}; /healthz answers 503"
+            return said
 
         files.append(ReloadedFile("routes", reroute))
     ring = app.get(KEY_RING)
