@@ -132,6 +132,13 @@ CASES: list[tuple[list[str], str]] = [
     ),
     # serve: files and engines
     (["serve", "--api-keys-file", "/nonexistent"], "--api-keys-file: /nonexistent does not exist"),
+    # an empty file name is no file, not the current folder
+    (["serve", "--api-keys-file", ""], "--api-keys-file: want a file name, got an empty one"),
+    (["serve", "--ban-file", ""], "--ban-file: want a file name, got an empty one"),
+    (
+        ["serve", "--engine", "upstream", "--upstream-routes", ""],
+        "--upstream-routes: want a file name, got an empty one",
+    ),
     (["serve", "--ban-file", FOLDER], f"--ban-file: {FOLDER} is a folder"),
     (["serve", "--ban-file", "/dev/null"], "--ban-file: /dev/null is not a regular file"),
     (

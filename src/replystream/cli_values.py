@@ -279,6 +279,8 @@ def _with_valid_port(text: str) -> str:
 
 
 def _readable_file(text: str) -> Path:
+    if not text:  # Path("") is the current folder: "  is a folder" would name nothing
+        raise argparse.ArgumentTypeError("want a file name, got an empty one")
     path = Path(text)
     if not path.is_file():
         if path.is_dir():

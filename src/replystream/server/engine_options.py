@@ -331,6 +331,8 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
     if args.upstream_routes is not None:
         from replystream.engine.upstream_routes import load_routes
 
+        if not args.upstream_routes:  # Path("") is the current folder: "." would be named
+            raise ValueError("--upstream-routes: want a file name, got an empty one")
         try:
             routes = load_routes(Path(args.upstream_routes))
         except ValueError as exc:
