@@ -47,7 +47,6 @@ upstream was picked, or anything about our own HTTP server.
 from __future__ import annotations
 
 import codecs
-import json
 import logging
 import re
 import secrets
@@ -61,6 +60,12 @@ from replystream.engine.base import Delta, EngineError, ToolCallDelta
 from replystream.engine.upstream_errors import quoted
 from replystream.engine.upstream_logprobs import relayed_logprobs
 from replystream.engine.upstream_refusals import context_exceeded
+from replystream.engine.upstream_surrogates import (
+    SURROGATE_ESCAPE,
+    half_held_alone,
+    mend,
+    with_lone_surrogates,
+)
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 
 log = logging.getLogger("replystream.upstream")
@@ -99,6 +104,8 @@ ABORTED = frozenset({"abort", "error", "insufficient_system_resource"})
 # OpenRouter). It is relayed (``Delta.reasoning``) when the request asks for it, and always
 # counts as the upstream's progress (``ChunkReader.thought_at``).
 REASONING_KEYS = ("reasoning_content", "reasoning")
+# A delta's keys whose strings are pieces a character may be cut between (``upstream_surrogates``).
+_PIECE_KEYS = ("content", *REASONING_KEYS)
 
 
 class UpstreamStreamError(EngineError):
@@ -203,95 +210,6 @@ def _says_context_exceeded(error: object) -> bool:
     )
 
 
-# A JSON escape of a UTF-16 surrogate (``\\ud83d``): pydantic's parser refuses an event with one
-# that is alone, which is the only kind sent to ``_with_lone_surrogates`` (a pair is parsed).
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _lone_surrogates_replaced(text: str, *, keep_ends: bool = False) -> str:
-    """``text`` with each surrogate not in a pair as U+FFFD; with ``keep_ends``, but for a
-    low surrogate that begins it and a high one that ends it (a character's halves that
-    the chunks before and after it hold the others of)."""
-    if _SURROGATE.search(text) is None:
-        return text
-    head = tail = ""
-    if keep_ends:
-        if "\udc00" <= text[0] <= "\udfff":
-            head, text = text[0], text[1:]
-        if text and "\ud800" <= text[-1] <= "\udbff":
-            tail, text = text[-1], text[:-1]
-    # Through UTF-16: a pair is its character, a lone half the decoder's U+FFFD.
-    middle = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
-    return head + middle + tail
-
-
-def _mended(value: object) -> object:
-    """A value ``json`` parsed with every lone surrogate in its strings as U+FFFD."""
-    if type(value) is str:
-        return _lone_surrogates_replaced(value)
-    if type(value) is list:
-        return [_mended(item) for item in value]
-    if type(value) is dict:
-        return {_lone_surrogates_replaced(k): _mended(v) for k, v in value.items()}
-    return value
-
-
-def _joined(high: str, text: str) -> str:
-    """A high surrogate held from one piece before the next piece's ``text``: the character
-    the pair makes when ``text`` begins with the low one, else U+FFFD (and ``text``'s own low
-    surrogate at its start, if alone, U+FFFD too)."""
-    if "\udc00" <= text[0] <= "\udfff":
-        pair = (high + text[0]).encode("utf-16-le", "surrogatepass").decode("utf-16-le")
-        return pair + text[1:]
-    return "\ufffd" + text
-
-
-# The kinds of piece a character's halves may be cut between (``ChunkReader._mend``): text,
-# thinking, and each tool call's arguments (by the call's index, an int).
-_TEXT, _THINKING = "text", "thinking"
-
-
-def _piece_of(delta: Delta) -> tuple[str | int, str] | None:
-    """The kind of piece ``delta`` is, and its piece (None: it has none)."""
-    if delta.text:
-        return _TEXT, delta.text
-    if delta.reasoning:
-        return _THINKING, delta.reasoning
-    call = delta.tool_call
-    if call is not None and call.arguments:
-        return call.index, call.arguments
-    return None
-
-
-def _held_half(delta: Delta) -> str:
-    """The high surrogate a held delta (``ChunkReader._held``) holds: its piece."""
-    found = _piece_of(delta)
-    assert found is not None
-    return found[1]
-
-
-def _with_piece(delta: Delta, kind: str | int, piece: str) -> Delta:
-    """``delta`` with its piece of ``kind`` (``_piece_of``) replaced by ``piece``."""
-    if kind == _TEXT:
-        return delta._replace(text=piece)
-    if kind == _THINKING:
-        return delta._replace(reasoning=piece)
-    assert delta.tool_call is not None
-    return delta._replace(tool_call=delta.tool_call._replace(arguments=piece))
-
-
-def _half_alone(kind: str | int, half: str, made_at: float) -> Delta:
-    """A piece of ``kind`` that is only ``half``, a character's high surrogate, carrying no
-    token of its own."""
-    if kind == _TEXT:
-        return Delta(half, 0, made_at)
-    if kind == _THINKING:
-        return Delta("", 0, made_at, reasoning=half)
-    assert isinstance(kind, int)
-    return Delta("", 0, made_at, tool_call=ToolCallDelta(kind, None, None, half))
-
-
 # What cannot stand in a JSON string as it is: a quote, a backslash, a control character.
 _NOT_PLAIN = re.compile(rb'["\\\x00-\x1f]')
 # The end of a chunk's bytes just before its text: the delta's ``content`` key, or a legacy
@@ -385,10 +303,11 @@ class ChunkReader:
         self._template: tuple[bytes, bytes] | None = None
         self._common_text: str | None = None  # the text of the last read's common chunk
         self._common_key = _CONTENT_KEY  # the key of its text (chat's, or a legacy one's)
-        # By kind of piece (``_piece_of``: text, thinking, a tool call's arguments), the last
-        # delta whose piece ended with a character's high surrogate (its low one in the next
-        # piece of that kind, as Node.js's servers cut them): held back, its piece only that
-        # surrogate, until the next piece of its kind, which it goes out joined to.
+        # By kind of piece (text, thinking, a tool call's arguments), the last delta whose
+        # piece ended with a character's high surrogate (its low one in the next piece of
+        # that kind, as Node.js's servers cut them): held back, its piece only that
+        # surrogate, until the next piece of its kind, which it goes out joined to
+        # (``upstream_surrogates.mend``).
         self._held: dict[str | int, Delta] = {}
 
     def _fail(self, message: str, code: str) -> UpstreamStreamError:
@@ -495,9 +414,12 @@ class ChunkReader:
             # nesting bound of its own (a ValueError, where json.loads recurses).
             chunk = from_json(data)
         except ValueError:
-            if _SURROGATE_ESCAPE.search(data) is None:
+            if SURROGATE_ESCAPE.search(data) is None:
                 raise self._not_json(data) from None
-            chunk = self._with_lone_surrogates(data)
+            try:
+                chunk = with_lone_surrogates(data, _PIECE_KEYS)
+            except ValueError:
+                raise self._not_json(data) from None
         else:
             if not self._held:
                 self._on_chunk(chunk, now)
@@ -507,7 +429,9 @@ class ChunkReader:
         try:
             self._on_chunk(chunk, now)
         finally:
-            self._mend(start)
+            self._common_text = None  # its text is no template's
+            if mend(self._pending, start, self._held):
+                self._template = None
 
     def _error_said(self, said: str, error: object) -> UpstreamStreamError:
         """The failure an error object in the stream is: ``upstream_error``, but for one
@@ -528,82 +452,6 @@ class ChunkReader:
             f"{self._where} sent an event that is not JSON ({len(data)} characters)",
             "upstream_bad_chunk",
         )
-
-    def _with_lone_surrogates(self, data: str) -> object:
-        """An event pydantic's parser refused, with a surrogate escape in it, as ``json``
-        reads it: each string's lone surrogates U+FFFD, but for those at the ends of a
-        choice's text, thinking or tool call arguments, which ``_mend`` joins to their
-        pieces' neighbours."""
-        try:
-            # Recursive, as ``_mended`` is: a nesting past Python's limit is no chunk.
-            chunk = json.loads(data)
-            mended = _mended(chunk)
-        except (ValueError, RecursionError):
-            raise self._not_json(data) from None
-        if type(chunk) is dict and type(mended) is dict and type(chunk.get("choices")) is list:
-            for raw, choice in zip(chunk["choices"], mended["choices"], strict=True):
-                if type(raw) is not dict:
-                    continue
-                delta = raw.get("delta")
-                if type(delta) is dict:
-                    mended_delta = choice["delta"]
-                    for key in ("content", *REASONING_KEYS):
-                        if type(delta.get(key)) is str:
-                            mended_delta[key] = _lone_surrogates_replaced(
-                                delta[key], keep_ends=True
-                            )
-                    calls = delta.get("tool_calls")
-                    if type(calls) is list:
-                        for call, mended_call in zip(
-                            calls, mended_delta["tool_calls"], strict=True
-                        ):
-                            function = call.get("function") if type(call) is dict else None
-                            if type(function) is dict and type(function.get("arguments")) is str:
-                                mended_call["function"]["arguments"] = _lone_surrogates_replaced(
-                                    function["arguments"], keep_ends=True
-                                )
-                elif delta is None and type(raw.get("text")) is str:
-                    choice["text"] = _lone_surrogates_replaced(raw["text"], keep_ends=True)
-        return mended
-
-    def _mend(self, start: int) -> None:
-        """The deltas queued from ``start`` on, made of pieces (text, thinking, a tool call's
-        arguments: ``_piece_of``) with a surrogate left at an end (``_with_lone_surrogates``)
-        or after one held: each joined to the one its kind held before it, and one ending in
-        a high surrogate held in turn. Thinking's held half goes out alone (U+FFFD) when the
-        answer begins, text or a call: the thinking is over. No template is learned from
-        them, and none is used while one is held (its text is not that chunk's)."""
-        self._common_text = None
-        pending = self._pending
-        made = [pending.pop() for _ in range(len(pending) - start)]
-        holds = self._held
-        for delta in reversed(made):
-            if _THINKING in holds and (delta.text or delta.tool_call is not None):
-                pending.append(_with_piece(holds.pop(_THINKING), _THINKING, "\ufffd"))
-            found = _piece_of(delta)
-            if found is None:
-                pending.append(delta)
-                continue
-            kind, piece = found
-            held = holds.pop(kind, None)
-            if held is not None:
-                piece = _joined(_held_half(held), piece)
-                logprobs = delta.logprobs
-                if held.logprobs and logprobs:
-                    logprobs = held.logprobs + logprobs
-                delta = delta._replace(tokens=held.tokens + delta.tokens, logprobs=logprobs)
-            elif "\udc00" <= piece[0] <= "\udfff":
-                piece = "\ufffd" + piece[1:]
-            if "\ud800" <= piece[-1] <= "\udbff":
-                self._template = None
-                call = delta.tool_call
-                if len(piece) == 1 and (call is None or (call.id is None and call.name is None)):
-                    holds[kind] = _with_piece(delta, kind, piece)
-                    continue
-                # (A call's first piece goes out for its id and name, its arguments held.)
-                holds[kind] = _half_alone(kind, piece[-1], delta.made_at)
-                piece = piece[:-1]
-            pending.append(_with_piece(delta, kind, piece))
 
     def _on_chunk(self, chunk: object, now: float) -> None:
         if not isinstance(chunk, dict):
@@ -877,7 +725,7 @@ class ChunkReader:
 
     def _finish_reply(self, now: float) -> None:
         for kind, held in self._held.items():  # no piece of its kind came after: alone
-            self._pending.append(_with_piece(held, kind, "\ufffd"))
+            self._pending.append(half_held_alone(kind, held))
         self._held.clear()
         thought = 0
         if self._usage_tokens is None:  # our count: the thinking not shown is in it too
