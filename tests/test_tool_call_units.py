@@ -21,7 +21,7 @@ from replystream.delivery.responses_log import response_from_log
 from replystream.delivery.responses_objects import ResponseSettings
 from replystream.engine.base import Delta, GenerationRequest, ToolCallDelta
 from replystream.engine.reply_script import ScriptError, parse_reply_script
-from replystream.engine.upstream import request_body
+from replystream.engine.upstream_request import request_body
 from replystream.server.anthropic_schemas import MessagesBody
 from replystream.server.tool_requests import anthropic_messages, anthropic_tools, prompt_of
 

@@ -27,10 +27,11 @@ from aiohttp import web
 
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.engine.base import GenerationRequest, SamplingParams
-from replystream.engine.upstream import UpstreamEngine, request_body
+from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.engine.upstream_refusals import UpstreamTimeout, UpstreamUnavailable
+from replystream.engine.upstream_request import request_body
 from replystream.server import create_app, running
 from tests.chat_upstream import ChatUpstream, reply_with
 from tests.conftest import wait_for

@@ -1,23 +1,21 @@
 """``UpstreamEngine``: OpenAI-compatible model servers (vLLM, TGI, llama.cpp, Ollama) relayed.
 
-This file decides how a ``GenerationRequest`` becomes a streaming ``POST {base}/chat/completions``
-(the client's chat messages unchanged, or the prompt as one user message; a prefix to
-continue as ``continue_final_message``), or, for a legacy completion (``raw_prompt``),
-``POST {base}/completions`` (the prompt as written): sampling fields mapped, and
-``stream_options.include_usage`` always, so usage is the upstream's own; and how a
-connection that fails before a response head ends the attempt (``UpstreamUnavailable``, 502,
-or ``UpstreamTimeout``, 504, past ``headers_timeout_s``); what an upstream's answer other
-than a stream means is ``upstream_refusals``'s. Which upstream serves a request and which
-are failing is ``upstream_pool``'s (with ``serve --workers``, each limit of requests at once
-is held by all the workers together: ``upstream_slots``, ``upstream_shared_limits``);
-failover, stalls and continuation are ``upstream_relay``'s (the next attempt's upstream,
-``upstream_attempts``'s); active health probes are ``upstream_health``'s; everything after
-one response head is ``upstream_stream.UpstreamStream``'s (what each chunk means,
-``upstream_chunks``'s); an embeddings request is ``upstream_embeddings``'s. What goes
-upstream as ``Authorization`` is configured per upstream: its own key, or the caller's own
-key passed on (``pass_client_key``, for an upstream where each client has an account), else
-the key for all; a client's key is never sent to an upstream not configured to take it. It
-must not know about our HTTP server.
+This file decides how a ``GenerationRequest`` is sent upstream: to which path, with which model
+name and headers (its body is ``upstream_request``'s: the client's chat messages, or a legacy
+completion's prompt, with ``stream_options.include_usage`` always, so usage is the upstream's
+own); and how a connection that fails before a response head ends the attempt
+(``UpstreamUnavailable``, 502, or ``UpstreamTimeout``, 504, past ``headers_timeout_s``); what
+an upstream's answer other than a stream means is ``upstream_refusals``'s. Which upstream
+serves a request and which are failing is ``upstream_pool``'s (with ``serve --workers``, each
+limit of requests at once is held by all the workers together: ``upstream_slots``,
+``upstream_shared_limits``); failover, stalls and continuation are ``upstream_relay``'s (the
+next attempt's upstream, ``upstream_attempts``'s); active health probes are
+``upstream_health``'s; everything after one response head is
+``upstream_stream.UpstreamStream``'s (what each chunk means, ``upstream_chunks``'s); an
+embeddings request is ``upstream_embeddings``'s. What goes upstream as ``Authorization`` is
+configured per upstream: its own key, or the caller's own key passed on (``pass_client_key``,
+for an upstream where each client has an account), else the key for all; a client's key is
+never sent to an upstream not configured to take it. It must not know about our HTTP server.
 """
 
 from __future__ import annotations
@@ -77,6 +75,7 @@ from replystream.engine.upstream_relay_types import (
     RelayCounts,
     RelayLimits,
 )
+from replystream.engine.upstream_request import request_body
 from replystream.engine.upstream_shared_limits import OtherWorkers, backend_stats, open_slots
 from replystream.engine.upstream_slots import SharedLimits
 from replystream.engine.upstream_stream import UpstreamStream
@@ -84,104 +83,6 @@ from replystream.engine.upstream_stream import UpstreamStream
 log = logging.getLogger("replystream.upstream")
 # Models remembered per upstream as taking a token limit only as max_completion_tokens.
 COMPLETION_LIMIT_MODELS = 1024
-
-
-def stops_sent(request: GenerationRequest) -> tuple[str, ...]:
-    """The request's stop strings as its upstream is sent them: none when the client is told
-    which one ended the reply. An upstream cuts the text before a stop string and finishes
-    ``stop``, and only vLLM and SGLang say which string it was (llama.cpp, Ollama and TGI do
-    not), so the text comes whole instead: the reply pipeline cuts and names the stop string,
-    and the relay stops the upstream there (``upstream_relay``)."""
-    return () if request.names_stop_sequence else request.sampling.stop
-
-
-def request_body(
-    request: GenerationRequest,
-    model: str | None,
-    *,
-    ask_usage: bool = True,
-    limit_field: str = "max_tokens",
-) -> dict[str, Any]:
-    """The upstream chat-completion body for ``request``; ``ask_usage``: with
-    ``stream_options.include_usage``; ``limit_field``: the token limit's name (both as the
-    upstream takes them: ``Backend.takes_stream_options``, ``completion_limit_models``)."""
-    s = request.sampling
-    body: dict[str, Any]
-    if request.raw_prompt:  # a legacy completion: the prompt as written, for /completions
-        body = {"prompt": request.prompt, "stream": True}
-    else:
-        messages = (
-            [dict(m) for m in request.messages]
-            if request.messages
-            else [{"role": "user", "content": request.prompt}]
-        )
-        body = {"messages": messages, "stream": True}
-    if ask_usage:
-        body["stream_options"] = {"include_usage": True}
-    # Only as the client gave them: an upstream applies a model's own defaults (vLLM's
-    # generation config, Ollama's Modelfile) to a request that leaves them out.
-    if s.top_p == 0:
-        # Keeping only the likeliest token (OpenAI's range takes 0) is greedy decoding. vLLM
-        # and TGI refuse top_p 0 (their ranges start above it); temperature 0 is greedy
-        # everywhere (vLLM, TGI's chat route, llama.cpp, Ollama), whatever the client's was.
-        body["temperature"] = 0.0
-    else:
-        if s.temperature is not None:
-            body["temperature"] = s.temperature
-        if s.top_p is not None:
-            body["top_p"] = s.top_p
-    if model is not None:
-        body["model"] = model
-    if request.continue_final_message:  # the last message is the assistant's start: continue
-        # it (vLLM's fields; llama.cpp and Ollama continue a final assistant message by themselves)
-        body["continue_final_message"] = True
-        body["add_generation_prompt"] = False
-    elif request.add_generation_prompt is not None:  # the client's, as it gave it
-        body["add_generation_prompt"] = request.add_generation_prompt
-    if request.chat_template_kwargs:  # vLLM's, SGLang's and llama.cpp's server's
-        body["chat_template_kwargs"] = dict(request.chat_template_kwargs)
-    if s.max_tokens is not None:
-        body[limit_field] = s.max_tokens
-    if s.top_k > 0:
-        body["top_k"] = s.top_k  # vLLM, TGI, llama.cpp and Ollama take it; OpenAI does not
-    if s.min_p > 0:
-        body["min_p"] = s.min_p  # vLLM, SGLang, llama.cpp and Ollama take it
-    if s.min_tokens > 0:
-        body["min_tokens"] = s.min_tokens  # vLLM's and SGLang's
-    if s.ignore_eos:
-        body["ignore_eos"] = True  # vLLM, SGLang and llama.cpp take it
-    if s.seed is not None:
-        body["seed"] = s.seed
-    for name, none in (
-        ("presence_penalty", 0.0),
-        ("frequency_penalty", 0.0),
-        ("repetition_penalty", 1.0),  # vLLM's, llama.cpp's and TGI's; OpenAI has none
-    ):
-        if getattr(s, name) != none:
-            body[name] = getattr(s, name)
-    if s.logit_bias:  # token ids are the upstream model's: it checks them
-        body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
-    stops = stops_sent(request)
-    if stops:
-        body["stop"] = list(stops)
-    if s.logprobs is not None and request.raw_prompt:
-        body["logprobs"] = s.logprobs  # the legacy field: how many candidates per token
-    elif s.logprobs is not None:
-        body["logprobs"] = True
-        body["top_logprobs"] = s.logprobs
-    if request.tools:  # already in chat's form, whatever dialect the client spoke
-        body["tools"] = [dict(tool) for tool in request.tools]
-        if request.tool_choice is not None:
-            body["tool_choice"] = request.tool_choice
-        if request.parallel_tool_calls is not None:
-            body["parallel_tool_calls"] = request.parallel_tool_calls
-    if request.relayed:
-        body.update(request.relayed)
-    if request.prompt_cache_key is not None:  # OpenAI's prompt caching reads it too
-        body["prompt_cache_key"] = request.prompt_cache_key
-    if request.response_format is not None:
-        body["response_format"] = request.response_format
-    return body
 
 
 def _backend(target: UpstreamTarget, config: UpstreamConfig) -> Backend:

@@ -17,7 +17,7 @@ This file decides when an attempt has failed and what happens next:
 - A stop string of the request that completes in the text relayed (across seams too) ends
   the reply as finished, as the built-in engines stop at one: the attempt ended well and its
   upstream connection is closed. The reply pipeline cuts and names it; the relay only stops
-  an upstream that writes on (one sent no stop strings: ``upstream.stops_sent``).
+  an upstream that writes on (one sent no stop strings: ``upstream_request.stops_sent``).
 - An upstream that writes past the request's ``max_tokens`` (it was sent that limit, and
   ignored it) is stopped there: what comes past the limit is dropped, its connection closed,
   and the reply ends with the relay's own ``length``. Text an upstream sent stop strings
@@ -59,6 +59,7 @@ from replystream.engine.upstream_relay_types import (
     RelayCounts,
     RelayLimits,
 )
+from replystream.engine.upstream_request import stops_sent
 from replystream.engine.upstream_slots import SharedLimits
 
 log = logging.getLogger("replystream.upstream")
@@ -141,9 +142,9 @@ class RelayedReply(AttemptSeries):
         stops = request.sampling.stop
         self._stops = StopScan(stops) if stops else None
         # The text an upstream may still send after the request's last token: what it held
-        # back as the start of a stop string it was sent (``upstream.stops_sent``: none when
-        # the client is told which one ended the reply). ``_tail``: that text so far.
-        self._stops_sent = () if request.names_stop_sequence else stops
+        # back as the start of a stop string it was sent (none when the client is told which
+        # one ended the reply). ``_tail``: that text so far.
+        self._stops_sent = stops_sent(request)
         self._tail = ""
         # The watchdog (``_watch``): when the last text came, how long the next may take.
         self._loop = asyncio.get_running_loop()  # made by the engine's ``start``
@@ -369,8 +370,8 @@ class RelayedReply(AttemptSeries):
         """The reply is whole here, so the attempt ended well: a stop string completed (the
         reply pipeline ends the reply there), or the request's token limit was reached. Its
         upstream, sent no stop strings when the client is told which one ended the reply
-        (``upstream.stops_sent``), or one that ignored them or the limit, would write on: its
-        connection is closed, as at any cancel."""
+        (``upstream_request.stops_sent``), or one that ignored them or the limit, would write
+        on: its connection is closed, as at any cancel."""
         self._done = True
         self._unwatch()
         stream, self._stream = self._stream, None
