@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
@@ -27,6 +28,7 @@ from replystream.server import create_app, running
 from replystream.server.guard_config import GuardConfig
 from replystream.server.server_config import ServerConfig
 from tests.browser import LoopbackProxy, TimedEngine, chromium
+from tests.chat_upstream import ChatUpstream, relaying_to
 from tests.conftest import fast_engine, wait_for
 from tests.thinking_upstream import ANSWER, THINK_S, THOUGHTS, relay
 
@@ -1119,3 +1121,38 @@ async def test_a_moderated_or_failed_reply_tells_why_in_words_on_screen_and_alou
         told = await page.text_content("#announcer")
         assert told == f"Reply error. {await shown_text(page, 'stream')} {note}"
         assert set((await in_flight(url)).values()) == {0.0}
+
+
+class LongWordUpstream(ChatUpstream):
+    """Refuses every chat with words holding one very long word (a path, a hash, a model's
+    id), which the relay passes on in its own."""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        error = {"message": "no adapter at /models/" + "x" * 400, "type": "invalid_request_error"}
+        return web.json_response({"error": error}, status=400)
+
+
+async def sideways_overflow(page: Page) -> int:
+    overflow: int = await page.evaluate(
+        "document.documentElement.scrollWidth - document.documentElement.clientWidth"
+    )
+    return overflow
+
+
+async def test_a_long_unbroken_word_in_an_error_wraps_inside_the_page(browser: Browser):
+    # A refusal's words are the server's, and a relay's hold its upstream's: a long word in
+    # them (a path, an id) ran past the note's box, and the page scrolled sideways by 2,000
+    # pixels on a phone.
+    async with relaying_to(LongWordUpstream()) as url:
+        page = await open_page(browser, url, width=390, height=780)
+        await page.get_by_label("Wait vs stream").check()
+        await send(page, "Hello")
+        for kind in ("stream", "wait"):
+            await wait_state(page, kind, "error")
+            assert "x" * 150 in (await page.text_content(f"{pane(kind)} .pane-note") or "")
+        assert await sideways_overflow(page) <= 0
+        page = await open_page(browser, f"{url}/eventsource.html", width=390, height=780)
+        await page.click("#go")
+        await page.wait_for_selector('#pane[data-state="error"]')
+        assert "x" * 150 in (await page.text_content("#log") or "")
+        assert await sideways_overflow(page) <= 0
