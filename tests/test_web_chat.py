@@ -1156,3 +1156,35 @@ async def test_a_long_unbroken_word_in_an_error_wraps_inside_the_page(browser: B
         await page.wait_for_selector('#pane[data-state="error"]')
         assert "x" * 150 in (await page.text_content("#log") or "")
         assert await sideways_overflow(page) <= 0
+
+
+async def test_a_message_with_half_a_character_is_sent_as_shown(browser: Browser):
+    # Text cut in the middle of an emoji (a copy of a truncated preview) holds a lone
+    # surrogate: JSON.stringify sent it as a "\ud83d" escape, which the server's parser refuses,
+    # and the reader was told "body is not valid JSON: unexpected end of hex escape".
+    engine = TimedEngine(fast_engine(delay_ms=2.0, jitter_ms=0.0))
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, url)
+        bodies = posted_bodies(page)
+        await page.evaluate(
+            """() => {
+                const box = document.querySelector('#prompt');
+                box.value = 'Nice \\ud83d';  // the first half of 😀 alone
+                box.dispatchEvent(new Event('input'));
+            }"""
+        )
+        await page.press("#prompt", "Enter")
+        ended = f'{pane("stream")}:is([data-state="done"], [data-state="error"])'
+        await page.wait_for_selector(ended)
+        note = await page.text_content(f"{pane('stream')} .pane-note")
+        assert await page.get_attribute(pane("stream"), "data-state") == "done", note
+        assert await page.text_content(".turn.user .bubble") == "Nice \ufffd"
+        assert bodies[-1]["messages"] == [{"role": "user", "content": "Nice \ufffd"}]
+        page = await open_page(browser, f"{url}/eventsource.html")
+        await page.fill("#prompt", "")
+        await page.evaluate("() => { document.querySelector('#prompt').value = 'Nice \\ud83d'; }")
+        await page.click("#go")
+        await page.wait_for_selector('#pane:is([data-state="done"], [data-state="error"])')
+        assert await page.get_attribute("#pane", "data-state") == "done", await page.text_content(
+            "#log"
+        )

@@ -416,8 +416,10 @@ function send(prompt) {
 composer.addEventListener('submit', (event) => {
   event.preventDefault();
   if (running) return;
-  // As written, less trailing blank space: a pasted block keeps its indentation.
-  const prompt = promptBox.value.trimEnd();
+  // As written, less trailing blank space: a pasted block keeps its indentation. Half a
+  // character (a lone surrogate: text cut inside an emoji) becomes U+FFFD, as shown and as
+  // sent: JSON.stringify would send it as an escape the server's JSON parser refuses.
+  const prompt = promptBox.value.trimEnd().toWellFormed();
   if (!prompt.trim()) {
     statusLine.textContent = 'Nothing to send: the message is empty.';
     return;

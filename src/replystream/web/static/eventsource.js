@@ -173,7 +173,8 @@ $('#start').addEventListener('submit', async (event) => {
   setState('waiting', 'starting');
   try {
     const apiKey = $('#api-key').value.trim();
-    const id = await startReply($('#prompt').value, apiKey);
+    // Half a character (a lone surrogate) as U+FFFD, as the chat page sends it.
+    const id = await startReply($('#prompt').value.toWellFormed(), apiKey);
     $('#reply-id').textContent = id;
     log(`reply ${id} started; its POST was aborted after the headers`);
     follow(id, apiKey);
