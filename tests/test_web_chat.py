@@ -1188,3 +1188,27 @@ async def test_a_message_with_half_a_character_is_sent_as_shown(browser: Browser
         assert await page.get_attribute("#pane", "data-state") == "done", await page.text_content(
             "#log"
         )
+
+
+async def test_enter_while_a_reply_comes_says_why_nothing_was_sent(browser: Browser):
+    # The next message typed while a reply streamed, Enter did nothing and said nothing: the
+    # disabled Send button was the only sign, which a keyboard reader never meets.
+    engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=0.0))
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, url)
+        bodies = posted_bodies(page)
+        await send(page, "Tell me everything.")
+        await words_shown(page, "stream", 3)
+        await send(page, "And then?")
+        status = await page.text_content("#status") or ""
+        assert "still coming" in status and "Stop" in status, status
+        assert await page.input_value("#prompt") == "And then?"  # kept, to send later
+        await page.click("#stop")
+        await wait_state(page, "stream", "stopped")
+        assert await page.text_content("#status") == ""
+        await page.press("#prompt", "Enter")
+        await page.wait_for_selector(".turn.user:has-text('And then?')")
+    assert [body["messages"][-1]["content"] for body in bodies] == [
+        "Tell me everything.",
+        "And then?",
+    ]

@@ -415,7 +415,12 @@ function send(prompt) {
 
 composer.addEventListener('submit', (event) => {
   event.preventDefault();
-  if (running) return;
+  if (running) {
+    // The message stays in the box, to send once the reply ends (which clears this line).
+    statusLine.textContent = 'A reply is still coming: wait for its end, or press Stop, '
+      + 'then send this message.';
+    return;
+  }
   // As written, less trailing blank space: a pasted block keeps its indentation. Half a
   // character (a lone surrogate: text cut inside an emoji) becomes U+FFFD, as shown and as
   // sent: JSON.stringify would send it as an escape the server's JSON parser refuses.
