@@ -1212,3 +1212,22 @@ async def test_enter_while_a_reply_comes_says_why_nothing_was_sent(browser: Brow
         "Tell me everything.",
         "And then?",
     ]
+
+
+async def test_the_eventsource_page_says_its_key_goes_in_a_url(browser: Browser):
+    # EventSource cannot send a header, so this page puts the key in the stream's URL, where
+    # a proxy in front may log it; the page never said so, beside the key or anywhere.
+    engine = TimedEngine(fast_engine(delay_ms=2.0, jitter_ms=0.0))
+    async with running(create_app(engine, ServerConfig(api_keys=("sk-page-test",)))) as url:
+        page = await open_page(browser, f"{url}/eventsource.html")
+        streams: list[str] = []
+        page.on("request", lambda request: streams.append(request.url))
+        described = await page.evaluate(
+            """() => document.querySelector('#api-key').getAttribute('aria-describedby')
+                .split(' ').map((id) => document.getElementById(id).textContent).join(' ')"""
+        )
+        assert "URL" in described and "log" in described, described
+        await page.fill("#api-key", "sk-page-test")
+        await page.click("#go")
+        await page.wait_for_selector('#pane[data-state="done"]')
+    assert any("/stream?api_key=sk-page-test" in sent for sent in streams), streams
