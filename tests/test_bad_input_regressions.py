@@ -260,9 +260,31 @@ def test_a_bool_is_not_a_number_and_a_number_is_not_a_bool(
     refused(server.post_json_text("/v1/completions", body), 400, "invalid_value", field)
 
 
-def test_a_lone_surrogate_in_a_string_is_invalid_json(server: LoggedServer) -> None:
-    answer = server.post_json_text("/v1/replies", '{"prompt": "\\ud800", "stream": false}')
-    refused(answer, 400, "invalid_json", None)
+@pytest.mark.parametrize(
+    ("text", "half"),
+    [
+        ("\\ud83d", "\\ud83d"),  # an emoji cut after its first half
+        ("x \\ud83d y", "\\ud83d"),
+        ("\\ude00 y", "\\ude00"),  # ... or before its second
+        ("\\ud83d\\u0041", "\\ud83d"),
+    ],
+)
+def test_a_lone_surrogate_in_a_string_is_invalid_json_said_as_half_a_character(
+    server: LoggedServer, text: str, half: str
+) -> None:
+    # JSON's grammar takes the escape (a JavaScript client writes one for text cut in the
+    # middle of an emoji); the parser's own words ("unexpected end of hex escape") did not
+    # say what is wrong with it.
+    answer = server.post_json_text("/v1/replies", f'{{"prompt": "{text}", "stream": false}}')
+    message = refused(answer, 400, "invalid_json", None)
+    assert f"{half} is half of a character" in message, message
+    chat = f'{{"model": "m", "messages": [{{"role": "user", "content": "{text}"}}]}}'
+    message = refused(
+        server.post_json_text("/v1/chat/completions", chat), 400, "invalid_json", None
+    )
+    assert "half of a character" in message, message
+    whole = '{"prompt": "\\ud83d\\ude00", "stream": false, "max_tokens": 2}'
+    assert server.post_json_text("/v1/replies", whole).status == 200  # a pair is a character
 
 
 def test_a_websocket_message_nested_past_the_parser_limit_is_an_error_for_that_message(

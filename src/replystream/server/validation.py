@@ -132,7 +132,10 @@ def parse_json(raw: bytes | str, model: type[M], *, what: str = "body", whole: b
     try:
         parsed = model.model_validate_json(raw)
     except ValidationError as exc:
-        raise api_error(exc, model, what) from None
+        error = api_error(exc, model, what)
+        if error.code == "invalid_json":
+            error = half_a_character(raw, what) or error
+        raise error from None
     if whole:
         refuse_repeated_fields(raw, what)
     return parsed
@@ -226,6 +229,45 @@ def repeated(name: str, count: int, *, param: str | None = None) -> HTTPAPIError
         code="invalid_value",
         param=param or name,
     )
+
+
+def half_a_character(raw: bytes | str, what: str) -> HTTPAPIError | None:
+    """The ``400`` of JSON whose only fault is a string holding half a character: a UTF-16
+    surrogate escape (``\\ud83d``) without its other half, as a JavaScript client writes
+    text cut in the middle of an emoji. JSON's grammar takes the escape, but it is no
+    character (no more than bytes that are not UTF-8, which are refused too), and the
+    parser's words for it ("unexpected end of hex escape") do not say so. None for any
+    other JSON fault."""
+    try:
+        value = json.loads(raw)  # Python's reader takes a lone surrogate
+    except (ValueError, RecursionError):
+        return None
+    half = _first_surrogate(value)
+    if half is None:
+        return None
+    return HTTPAPIError(
+        400,
+        f"{what} is not valid JSON: \\u{ord(half):04x} is half of a character (a UTF-16 "
+        "surrogate escape without its other half); send whole characters",
+        code="invalid_json",
+    )
+
+
+def _first_surrogate(value: object) -> str | None:
+    """The first lone surrogate in a string (or a key) of a parsed JSON value."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            for char in item:
+                if "\ud800" <= char <= "\udfff":
+                    return char
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                stack.extend((child, key))
+    return None
 
 
 def field_path(loc: tuple[int | str, ...]) -> str | None:
