@@ -17,6 +17,7 @@ from aiohttp import web
 from replystream.server.access_log import REQUEST_ID
 from replystream.server.errors import (
     ANTHROPIC_HEADER,
+    UNROUTED,
     error_response,
     shared_route,
     speaks_anthropic,
@@ -161,12 +162,13 @@ def foreign_origin(request: web.Request) -> str | None:
 async def stamp_response(request: web.Request, response: web.StreamResponse) -> None:
     """Before headers leave (streams included): the request id and CORS headers."""
     request_id = request.get(REQUEST_ID)
+    unrouted = request.get(UNROUTED, False)
     if request_id is not None:
         response.headers["X-Request-Id"] = request_id
-        if speaks_anthropic(request.path, request.headers):
+        if speaks_anthropic(request.path, request.headers, unrouted=unrouted):
             # The name Anthropic's SDKs read; other routes keep their heads as small as before.
             response.headers["request-id"] = request_id
-    if shared_route(request.path):
+    if shared_route(request.path, unrouted=unrouted):
         # Its shape is chosen by a header: a cache between must keep the two apart.
         response.headers.add("Vary", ANTHROPIC_HEADER)
     origin = request.headers.get("Origin")

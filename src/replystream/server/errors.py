@@ -43,20 +43,27 @@ ANTHROPIC_PATHS = ("/v1/messages",)
 # Routes both APIs have: Anthropic's when the client says it speaks it, as its SDKs always do.
 SHARED_PATHS = ("/v1/models",)
 ANTHROPIC_HEADER = "anthropic-version"
+# Set on a request no route serves (its path, or its method there): it belongs to neither API,
+# so, as on a shared route, its ``anthropic-version`` chooses the shape of its 404 or 405 (an
+# Anthropic SDK asking for an endpoint this server lacks, its Files API say, reads its own).
+UNROUTED = web.RequestKey("unrouted", bool)
 
 
-def shared_route(path: str) -> bool:
-    """Whether ``path`` is on a route both APIs have, answered in the shape its request's
-    ``anthropic-version`` header chooses."""
+def shared_route(path: str, *, unrouted: bool = False) -> bool:
+    """Whether ``path`` is on a route both APIs have, or (``unrouted``) on none: answered in
+    the shape its request's ``anthropic-version`` header chooses."""
+    if unrouted:
+        return True
     return path in SHARED_PATHS or path.startswith(tuple(f"{p}/" for p in SHARED_PATHS))
 
 
-def speaks_anthropic(path: str, headers: Mapping[str, str]) -> bool:
+def speaks_anthropic(path: str, headers: Mapping[str, str], *, unrouted: bool = False) -> bool:
     """Whether a request is answered in Anthropic's shape: on its routes, and on the routes
-    both APIs have (``/v1/models``) when it carries ``anthropic-version``."""
+    both APIs have (``/v1/models``) or none (``unrouted``) when it carries
+    ``anthropic-version``."""
     if path.startswith(ANTHROPIC_PATHS):
         return True
-    return shared_route(path) and ANTHROPIC_HEADER in headers
+    return shared_route(path, unrouted=unrouted) and ANTHROPIC_HEADER in headers
 
 
 # Anthropic's own codes for a refusal, which its SDKs read in ``error.details.error_code``
@@ -103,11 +110,14 @@ def in_route_shape(
     response: AnyResponse,
     headers: Mapping[str, str] | None = None,
     request_id: str | None = None,
+    *,
+    unrouted: bool = False,
 ) -> AnyResponse | web.Response:
     """An error response of ours in the shape the route's clients read (``headers``: the
-    request's, when known; ``request_id``: its id, which Anthropic's body carries)."""
+    request's, when known; ``request_id``: its id, which Anthropic's body carries;
+    ``unrouted``: no route serves the request)."""
     fields = response.get(API_ERROR)
-    if fields is None or not speaks_anthropic(path, headers or {}):
+    if fields is None or not speaks_anthropic(path, headers or {}, unrouted=unrouted):
         return response
     message, code, param = fields
     status = anthropic_status(response.status)

@@ -39,7 +39,7 @@ from replystream.server.browser_guard import (
     preflight_response,
     rebinding_refusal,
 )
-from replystream.server.errors import HTTPAPIError, error_response, in_route_shape
+from replystream.server.errors import UNROUTED, HTTPAPIError, error_response, in_route_shape
 from replystream.server.guard import (
     ADMITTED,
     LIMITED_PREFIXES,
@@ -141,7 +141,13 @@ def front_door(door: FrontDoor) -> Middleware:
                         response = AbandonedResponse()
                     else:
                         response = error_answer(request, exc, door.max_body_bytes)
-                response = in_route_shape(request.path, response, request.headers, request_id)
+                response = in_route_shape(
+                    request.path,
+                    response,
+                    request.headers,
+                    request_id,
+                    unrouted=request.get(UNROUTED, False),
+                )
                 if response.status >= 400 and body_withheld(request):
                     # The client holds its body back until invited, or until it tires of
                     # waiting: then it would be read as the next request. Nothing follows.
@@ -305,6 +311,7 @@ async def unrouted(request: web.Request) -> web.StreamResponse:
     """A path no route serves (``404``) or a method its route does not take (``405``, with
     the methods it does): aiohttp's router's own answers, made by a route (``add_unrouted``)
     so that its ``Expect`` is the front door's too (the router's would invite the body)."""
+    request[UNROUTED] = True
     allowed: set[str] = set()
     for resource in request.app.router.resources():
         _, methods = await resource.resolve(request)
