@@ -19,6 +19,7 @@ from replystream.delivery.replay import LogEntry, ReplyInfo
 from tests.processes import replica
 from tests.rawhttp import raw_request
 from tests.redis_server import RedisCluster, redis_cluster
+from tests.test_redis_cancel_channel import HEARD_WITHIN_S, cancel_delays
 
 REPLICA_ARGS = ("--engine", "simulated", "--delay-ms", "4", "--jitter-ms", "1", "--tokens", "80")
 
@@ -97,3 +98,11 @@ async def test_a_reply_cut_on_one_replica_resumes_on_the_other_over_the_cluster(
             if line.startswith(b'data: {"text"')
         ]
         assert len(tokens) == 80
+
+
+async def test_a_cancel_asked_on_another_replica_is_heard_at_once_over_the_cluster(
+    cluster: RedisCluster,
+):
+    # Published on one node, a cluster's message reaches a listener on any other.
+    delays = await cancel_delays(cluster.url, prefix="cancels:")
+    assert max(delays) < HEARD_WITHIN_S, [round(d, 3) for d in delays]

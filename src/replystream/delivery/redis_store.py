@@ -9,9 +9,10 @@ Cluster hash tag, so all of a reply's keys share one hash slot and one shard: ``
   count (``beat``, bumped every second while it generates) and, once the reply has ended, its
   ending and last event's number (``end``, ``last``); ``P{id}:live``: the producer's liveness
   key, set for ``liveness_s`` and refreshed every second while it generates;
-  ``P{id}:cancel``: a cancel request from another replica; ``P{id}:read``: a reader's mark,
-  set for ``liveness_s`` and refreshed every second by each replica with a reader following
-  the reply, which its producer's heartbeat finds (a detached reply goes on while read).
+  ``P{id}:cancel``: a cancel request from another replica (its id published on the channel
+  ``Pcancels`` too); ``P{id}:read``: a reader's mark, set for ``liveness_s`` and refreshed
+  every second by each replica with a reader following the reply, which its producer's
+  heartbeat finds (a detached reply goes on while read).
 Every key lives ``ttl_after_end_s`` after the reply's end; while the reply is live, each write
 and heartbeat keeps them, and a cancel mark lives, for ``redis_link.live_hold_s`` (the TTL, but
 never less than a producer's beats may be apart, so nothing lapses between two). A
@@ -26,7 +27,8 @@ stops, and what it wrote meanwhile is deleted.
   (``redis_failover.Failover``); both halves change one set of per-reply tables
   (``redis_reply_tables.ReplyTables``);
 - ``redis_heartbeat.Heartbeat``: once a second, liveness, cancels, deletes and evictions of
-  replies produced here, and the reader marks of replies read here;
+  replies produced here, and the reader marks of replies read here; a cancel asked elsewhere
+  is also heard at once on a channel (``redis_cancels.CancelChannel``), the key its fallback;
 - ``redis_reads.RemoteReads``: reads and follows of replies produced elsewhere;
 - a ``MemoryReplayStore`` of the replies produced here, so their own readers never wait on
   Redis.
@@ -56,6 +58,7 @@ from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError
 
+from replystream.delivery.redis_cancels import CancelChannel
 from replystream.delivery.redis_connect import first_contact
 from replystream.delivery.redis_follow import RemoteCursor
 from replystream.delivery.redis_heartbeat import Heartbeat
@@ -126,6 +129,7 @@ class RedisReplayStore:
         )
         self._link.on_replaced = self.writer.failover.redis_replaced
         self._heartbeat = Heartbeat(self._link, self.keys, self.writer)
+        self.cancels = CancelChannel(self._link, f"{prefix}cancels", self._cancel_heard)
         self.reads = RemoteReads(self._link, self.keys)
         self._delete = self.redis.register_script(DELETE_SCRIPT)
         self._tasks: list[asyncio.Task[None]] = []
@@ -146,6 +150,7 @@ class RedisReplayStore:
             self._tasks = [
                 loop.create_task(self.writer.flush_forever(), name="redis-store-flusher"),
                 loop.create_task(self._heartbeat.beat_forever(), name="redis-store-heartbeat"),
+                loop.create_task(self.cancels.listen_forever(), name="redis-store-cancels"),
             ]
 
     # Writes, of replies produced here.
@@ -251,6 +256,12 @@ class RedisReplayStore:
             )
         except (RedisError, OSError) as exc:
             raise self._link.unavailable(exc) from exc
+        await self.cancels.publish(reply_id)  # heard at once where it is produced
+
+    def _cancel_heard(self, reply_id: str) -> None:
+        """A cancel published by a replica (``CancelChannel``): stopped if produced here."""
+        if reply_id in self.writer.tables.live:
+            self.writer.stop(reply_id)
 
     def on_cancel(self, stop: Callable[[str], None]) -> None:
         self.writer.stop_producer = stop
