@@ -107,6 +107,11 @@ class RemoteCursor:
 
     async def measure(self) -> Lag:
         newest = await self._store.newest_write(self.reply_id)
+        if self._following:
+            # Asked while its reader waits on a slow socket (within the slow-client limits),
+            # reading nothing from Redis: it is a reader all the same, and its producer keeps
+            # the reply going for it only while its mark stays.
+            await self._store.reading(self.reply_id)
         if newest.logged is not None:
             self._logged = newest.logged
         lag = self.lag_bytes()
