@@ -16,7 +16,9 @@ Rules every store keeps:
 5. A reply is kept while live and for ``ttl_after_end_s`` after its ending; then it is gone
    (``read``, ``info`` and ``tail`` return None), as is a reply id that never existed.
    Why a reply it once had is gone, when that was not its expiry, the store tells (``gone``):
-   deleted (for at least ``DELETED_TOLD_S``), or evicted.
+   deleted (for at least ``DELETED_TOLD_S``), or evicted. A cursor of this process's memory
+   that was reading an ended reply as it expired reads it on to its end (the TTL bounds
+   finding a reply, not a read under way); deleted or discarded, its log is gone for it too.
 6. ``tail`` tells the last event's sequence number and whether the reply has ended; once it
    says ended, every event up to that number can be read (so a resume past it is a mistake).
 This file must not know about HTTP or event formats.
@@ -337,6 +339,8 @@ class _Log:
     appended_before: int = 0  # ``appended`` before the latest append
     ending: str | None = None
     expires_at: float | None = None
+    # Discarded or deleted (not expired): its readers stop too (``MemoryCursor.read``).
+    dropped: bool = False
     # Readers waiting for more: made when the first one waits (thousands of logs are read
     # by a reader on the direct path, which never waits here); a list is lighter than a set.
     waiters: list[asyncio.Future[None]] | None = None
@@ -563,6 +567,7 @@ class MemoryReplayStore:
         """Forget a reply at once (one nobody may resume)."""
         log = self._logs.pop(reply_id, None)
         if log is not None:
+            log.dropped = True
             log.wake()
 
     def _sweep(self) -> None:
@@ -594,6 +599,7 @@ class MemoryReplayStore:
 
     async def aclose(self) -> None:
         for log in self._logs.values():
+            log.dropped = True
             log.wake()
         self._logs.clear()
         self._deleted.clear()
@@ -623,6 +629,12 @@ class MemoryCursor:
 
     async def read(self, wait_s: float) -> ReadResult | None:
         result = await self._store.read(self.reply_id, self.after, wait_s)
+        log = self._log
+        if result is None and log is not None and log.ending is not None and not log.dropped:
+            # Expired under this reader: the TTL bounds how long an ended reply can be found
+            # (resumed, retrieved), not a read under way, whose client would lose the end of
+            # a reply it is being sent (one slow to take it, within the slow-client limits).
+            result = log.after(self.after)
         if result is not None and result.lost is not None:
             self._store._gaps += 1  # a reader's read: it is told of them
         return result

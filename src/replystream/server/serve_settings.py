@@ -344,7 +344,8 @@ RESUME = Group(
         ),
         Setting(
             "--reply-ttl-s",
-            "how long a finished resumable reply can still be read",
+            "how long a finished resumable reply can still be read (resumed, retrieved); a "
+            "reader on the replica that made it, still sending it then, sends it to its end",
             REPLY_TTL_S,
             default=TTL_AFTER_END_S,
         ),
