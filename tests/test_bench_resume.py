@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from replystream.client import measure_reply
 from replystream.client.formats import interpret_event
 from replystream.lab.benchstats import summarize
 from replystream.lab.drop_resume import drop_and_resume
@@ -284,6 +285,52 @@ async def test_native_resume_counts_an_announced_gap_once_and_repeats_nothing():
     assert resumed_after == ["5"]
     # Event 3 is lost (announced, and never came): once; nothing came twice.
     assert (outcome.lost, outcome.duplicated) == (1, 0)
+
+
+async def test_a_dropped_reasoning_reply_is_timed_and_counted_as_an_undropped_one_is():
+    """A reasoning model's thinking is output as its text is: a dropped reader's TTFT starts
+    at the first thinking, its thinking events are text events for TPOT and ITL, and its
+    thinking tokens count toward ``drop_after``, exactly as ``measure_reply`` takes them."""
+    reply = [b'event: reply\nid: 1\ndata: {"reply_id": "r1"}\n\n']
+    for seq in range(2, 8):  # three thoughts, then three tokens of the answer
+        kind, word = ("thinking", "hm") if seq < 5 else ("token", "yes")
+        data = json.dumps({"text": f"{word}{seq} ", "tokens": 1})
+        reply.append(f"event: {kind}\nid: {seq}\ndata: {data}\n\n".encode())
+    reply.append(b'event: done\nid: 8\ndata: {"finish_reason": "stop"}\n\n')
+    resumed_after: list[str] = []
+
+    async def send(request: web.Request, events: list[bytes]) -> web.StreamResponse:
+        headers = {"Content-Type": "text/event-stream", "X-Reply-Id": "r1"}
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(request)
+        for event in events:
+            await response.write(event)
+            await asyncio.sleep(0.02)
+        return response
+
+    async def start(request: web.Request) -> web.StreamResponse:
+        return await send(request, reply)
+
+    async def resume(request: web.Request) -> web.StreamResponse:
+        after = request.headers["Last-Event-ID"]
+        resumed_after.append(after)
+        return await send(request, reply[int(after) :])
+
+    app = web.Application()
+    app.router.add_post("/v1/replies", start)
+    app.router.add_get("/v1/replies/r1/stream", resume)
+    async with running(app) as url:
+        whole = await measure_reply(f"{url}/v1/replies", method="POST", json_body={"prompt": "x"})
+        timing, outcome = await drop_and_resume(f"{url}/v1/replies", {"prompt": "x"}, 2, 5.0)
+    assert whole.complete and timing.complete and outcome.resumed
+    assert resumed_after == ["3"]  # after two tokens of thinking
+    assert (outcome.lost, outcome.duplicated) == (0, 0)
+    for read in (whole, timing):
+        assert (read.tokens, len(read.text_event_ms)) == (6, 6)
+        assert (read.thinking, read.text) == ("hm2 hm3 hm4 ", "yes5 yes6 yes7 ")
+        assert read.first_text_ms is not None and read.first_answer_ms is not None
+        # Output began with the thinking, three events before the answer's first.
+        assert read.first_text_ms < read.text_event_ms[3] == read.first_answer_ms
 
 
 async def drop_readers(url: str, api: str, model: str, drops: int) -> dict[str, Any]:

@@ -83,6 +83,10 @@ class _Read:
     announced: list[tuple[int, int]] = field(default_factory=list)  # ``gap`` ranges, ids
     by_ids: bool = False  # an event had an ``id:`` of its own: events are counted by those
     text: list[str] = field(default_factory=list)
+    # A reasoning model's thinking: output as its text is (``measure_reply`` takes it so),
+    # so it is in every timing and count, and the answer's first text is timed apart.
+    thoughts: list[str] = field(default_factory=list)
+    first_answer_ms: float | None = None
     tokens: int = 0
     # The server's own count of the reply's tokens (a Responses stream's ending event, a
     # ``usage`` event): the better count, as ``measure_reply`` takes it, since an event may
@@ -177,8 +181,13 @@ async def _follow(
                 meaning = interpret_event(event)
                 if meaning.usage is not None:
                     read.reported_tokens = meaning.usage
-                if meaning.kind == "text" and meaning.text:
-                    read.text.append(meaning.text)
+                if meaning.kind in ("text", "thinking") and meaning.text:
+                    if meaning.kind == "thinking":
+                        read.thoughts.append(meaning.text)
+                    else:
+                        read.text.append(meaning.text)
+                        if read.first_answer_ms is None:
+                            read.first_answer_ms = read.ms(chunk.at)
                     read.tokens += meaning.tokens
                     read.estimated = read.estimated or not meaning.counted
                     read.event_ms.append(read.ms(chunk.at))
@@ -350,6 +359,8 @@ async def drop_and_resume(
         text_event_chars=tuple(read.event_chars),
         reply_id=read.reply_id,
         connected=connected,
+        thinking="".join(read.thoughts),
+        first_answer_ms=read.first_answer_ms,
     )
     outcome = ResumeOutcome(
         dropped_after_tokens=drop_after_tokens,
