@@ -1353,6 +1353,37 @@ async def test_server_metrics_that_cannot_be_read_are_reported_not_fatal():
     assert "HTTP 404" in summary["server"]["error"]
 
 
+async def test_a_slow_scrape_during_the_run_is_not_in_its_wall_time():
+    """The run is over when its last reply ended: a ``--metrics-interval`` scrape still
+    waiting on a slow ``/metrics`` then is no part of the time throughput divides by."""
+    app = lab_words()
+
+    async def metrics(request: web.Request) -> web.Response:
+        if scrapes:  # every scrape after the one before the run
+            await asyncio.sleep(1.5)
+        scrapes.append(time.perf_counter())
+        return web.Response(text="replystream_active_streams 0\n")
+
+    scrapes: list[float] = []
+    app.router.add_get("/metrics", metrics)
+    async with running(app) as url:
+        config = LoadConfig(
+            url=f"{url}/stream",
+            api="lab",
+            requests=2,
+            warmup=False,
+            server_metrics=f"{url}/metrics",
+            metrics_interval_s=0.01,
+        )
+        run = await run_load(config)
+    summary = summarize(run)
+    assert summary["counts"]["complete"] == 2
+    # Two replies of 3 words 50 ms apart, one after the other: about 0.3 s, not the 1.5 s
+    # a scrape begun with the run waited.
+    assert run.wall_s < 1.2, run.wall_s
+    assert summary["throughput"]["requests_per_s"] > 2 / 1.2
+
+
 async def test_dropped_readers_resume_with_last_event_id_losing_and_repeating_nothing():
     schedule = ["--delay-ms", "5", "--jitter-ms", "0", "--tokens", "40"]
     async with local_server(schedule) as url:
