@@ -410,6 +410,27 @@ async def test_the_api_keys_file_read_again_revokes_and_grants_keys(tmp_path: Pa
         assert not any("Traceback" in line for line in stderr.lines), stderr.lines
 
 
+async def test_a_revoked_key_is_refused_before_new_upstreams_are_probed(tmp_path: Path):
+    """The keys file is read again first: a new upstream that does not answer is probed for
+    up to 2 s before the routes are taken, and a leaked key must not be let in meanwhile."""
+    async with replica(*upstream("alpha", "simulated")) as (_, a):
+        dark = socket.create_server(("127.0.0.1", 0), backlog=16)  # takes, never answers
+        with dark:
+            dark_url = f"http://127.0.0.1:{dark.getsockname()[1]}"
+            file, keys = tmp_path / "routes.toml", tmp_path / "keys.txt"
+            file.write_text(routes((a, "simulated")))
+            keys.write_text("sk-leaked\n")
+            async with relay(file, "--api-keys-file", str(keys)) as (process, url, stderr):
+                assert await status_with(url, "sk-leaked") == 200
+                file.write_text(routes((a, "simulated"), (dark_url, "simulated")))
+                keys.write_text("sk-new\n")
+                process.send_signal(signal.SIGHUP)
+                await stderr.wait_for("API keys reloaded")
+                assert not any("routes reloaded" in line for line in stderr.lines), stderr.lines
+                assert await status_with(url, "sk-leaked") == 401
+                await stderr.wait_for("routes reloaded")
+
+
 BOM = "\ufeff"  # what some Windows editors write at the start of a UTF-8 file
 
 

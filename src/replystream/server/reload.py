@@ -118,6 +118,18 @@ def reloads_for(
     """What SIGHUP reads again for ``serve``'s ``args``: the relay's routes file, the API keys
     file; None when it names neither (SIGHUP then stops the server as SIGTERM does)."""
     files = []
+    # The keys first: a leaked key removed from its file is refused at once, not after the
+    # routes' reload has probed its new upstreams (up to 2 s for one that does not answer).
+    ring = app.get(KEY_RING)
+    if ring is not None and args.api_keys_file is not None:
+        keys_file = Path(args.api_keys_file)
+
+        async def rekey() -> str:
+            keys = collect_keys(args.api_key, keys_file)
+            ring.replace(keys)
+            return f"API keys reloaded from {keys_file}: {len(keys)} key{'s' * (len(keys) != 1)}"
+
+        files.append(ReloadedFile("api_keys", rekey))
     engine = app[ENGINE_KEY]
     if isinstance(engine, UpstreamEngine) and args.upstream_routes is not None:
         path: str = args.upstream_routes
@@ -141,14 +153,4 @@ def reloads_for(
             return said
 
         files.append(ReloadedFile("routes", reroute))
-    ring = app.get(KEY_RING)
-    if ring is not None and args.api_keys_file is not None:
-        keys_file = Path(args.api_keys_file)
-
-        async def rekey() -> str:
-            keys = collect_keys(args.api_key, keys_file)
-            ring.replace(keys)
-            return f"API keys reloaded from {keys_file}: {len(keys)} key{'s' * (len(keys) != 1)}"
-
-        files.append(ReloadedFile("api_keys", rekey))
     return Reloads(app[METRICS_KEY], files) if files else None
