@@ -210,6 +210,49 @@ async def test_a_models_name_in_an_error_the_log_repeats_cannot_forge_log_lines(
     assert len(said) == 1 and "\n" not in said[0], said
 
 
+# A name as long as a body may be (a relay whose upstreams list no models passes any on).
+HUGE_NAME = "forged" + "m" * 200_000
+
+
+async def test_a_huge_models_name_in_an_error_the_log_repeats_is_cut(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client's model name of 200,000 characters is cut in an error's words, which the
+    warning at the default log level repeats for each request refused: a log line is not as
+    long as a client's body may be."""
+    up = Upstream([], mode="slow")  # none listed; each reply holds its room a while
+    caplog.set_level(logging.WARNING, logger="replystream.server")
+    ask = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with relay([up], max_outstanding=1, queue_s=0.0) as url:
+        holding = asyncio.create_task(
+            post_events(f"{url}/v1/chat/completions", {**ask, "model": "m"})
+        )
+        await wait_for(lambda: bool(up.bodies))  # its room is taken
+        got = await post_events(f"{url}/v1/chat/completions", {**ask, "model": HUGE_NAME})
+        assert got.status == 503, got.raw
+        assert (await holding).status == 200
+    message = json.loads(got.raw)["error"]["message"]
+    assert message.startswith("every upstream serving 'forgedmmm"), message[:100]
+    assert "(200006 characters) is at its limit" in message and len(message) < 1000
+    said = [r.getMessage() for r in caplog.records if "forged" in r.getMessage()]
+    assert len(said) == 1 and len(said[0]) < 1000, [len(line) for line in said]
+
+
+async def test_a_huge_models_name_in_the_line_saying_its_limit_goes_so_is_cut(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    up = Refusing(lambda body: MAX_TOKENS_UNSUPPORTED if "max_tokens" in body else None)
+    up.models = []  # none listed: any name is the upstream's to judge
+    caplog.set_level(logging.WARNING, logger="replystream.upstream")
+    ask = {"model": HUGE_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
+    async with relay([up], failures=1) as url:
+        got = await post_events(f"{url}/v1/chat/completions", {**ask, "stream": True})
+        assert got.status == 200 and got.chat_text == "w0 w1 w2 ", got.raw
+    said = [r.getMessage() for r in caplog.records if "max_completion_tokens" in r.getMessage()]
+    assert len(said) == 1 and "forged" in said[0], [line[:200] for line in said]
+    assert len(said[0]) < 1000, len(said[0])
+
+
 async def test_a_fastapi_422_about_the_clients_own_field_is_quoted_and_names_it() -> None:
     up = Refusing(fastapi_422("top_k"))
     chat = {"messages": [{"role": "user", "content": "hi"}], "top_k": 5, "stream": True}

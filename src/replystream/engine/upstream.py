@@ -43,6 +43,7 @@ from replystream.engine.base import (
 )
 from replystream.engine.upstream_admission import ChoiceRoom
 from replystream.engine.upstream_affinity import affinity_key
+from replystream.engine.upstream_attempts import named
 from replystream.engine.upstream_config import (
     UpstreamConfig,
     UpstreamKeys,
@@ -369,8 +370,8 @@ class UpstreamEngine:
             while len(limits) >= COMPLETION_LIMIT_MODELS:
                 del limits[next(iter(limits))]
             limits[model] = None
-            # Quoted: a client's name, passed on as named, may hold a line break.
-            which = f"for {model!r}" if model is not None else "when no model is named"
+            # A client's name, passed on as named, may hold a line break, or be very long.
+            which = f"for {named(model)}" if model is not None else "when no model is named"
             then = f"a token limit goes to it as max_completion_tokens {which} from now on"
         # Both are fields as the relay writes them, not the client's: its request stands.
         log.warning("%s: %s", refused, then)

@@ -454,11 +454,19 @@ def serving(models: Sequence[str | None]) -> str:
     return f" serving {named(asked)} or its fallbacks {', '.join(map(named, fallbacks))}"
 
 
+# More than any model's name has (a Hugging Face repository's is at most 96 characters).
+NAME_SHOWN = 256
+
+
 def named(model: str | None) -> str:
     """A model's name as words show it: as it is, or quoted when it holds a character that is
     not printable (a client's name, sent as named to an upstream that lists none, may hold a
-    line break, which would forge a line of the log these words go to)."""
+    line break, which would forge a line of the log these words go to), and cut, quoted, past
+    ``NAME_SHOWN`` characters (such a name may be as long as a body is: the warning that
+    repeats a refusal would write a line that long for each request)."""
     text = str(model)
+    if len(text) > NAME_SHOWN:
+        return f"{text[:NAME_SHOWN]!r}… ({len(text)} characters)"
     return text if text.isprintable() else repr(text)
 
 
