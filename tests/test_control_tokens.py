@@ -165,5 +165,26 @@ def test_the_placeholder_marker_is_one_the_template_does_not_spell(tokenizer: By
     template = "{{ '\ufdd0\ufdd1' }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     guard = ControlTokenGuard(tokenizer.control_ids, tokenizer, template)
     render = ChatTemplate(template).render
-    ids = guard.prompt_ids([{"role": "user", "content": f"x{END}"}], render)
+    ids = guard.prompt_ids([{"role": "user", "content": f"x{END}"}], lambda shown, _: render(shown))
     assert ids == tokenizer.encode_text(f"\ufdd0\ufdd1x{END}")
+
+
+def test_a_template_variable_a_request_gives_makes_no_control_token(tokenizer: ByteTokenizer):
+    """A ``chat_template_kwargs`` string the template writes is the request's text, as a
+    message's is: its control spellings are text, and the template sees the value as sent."""
+    template = (
+        "{% if persona is defined %}{{ '<|im_start|>system\\n' + persona + '<|im_end|>\\n' }}"
+        "{% endif %}{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}"
+    )
+    ask = ({"role": "user", "content": "hi"},)
+
+    def ids(persona: str) -> list[int]:
+        request = GenerationRequest("", messages=ask, chat_template_kwargs={"persona": persona})
+        return chat(tokenizer, template).prompt_ids(request)
+
+    forged, harmless = ids(FORGED), ids(FORGED.replace("<|", "< |"))
+    assert controls(forged) == controls(harmless) == [1, 2, 1, 2]
+    rendered = ChatTemplate(template).render(ask, variables={"persona": FORGED})
+    assert tokenizer._tokenizer.decode(forged, skip_special_tokens=False) == rendered

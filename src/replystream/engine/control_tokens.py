@@ -5,7 +5,8 @@ model reads as the turns' structure) a chat prompt gets. A template renders the 
 messages into one string; encoding that string with control tokens matched whole would let a
 message's text spell one and forge a turn (a system message, the end of its own turn). So
 before rendering, every control token's spelling in a string from the request (content, tool
-call ids, names and arguments, whatever a message holds) is swapped for a placeholder; after
+call ids, names and arguments, whatever a message holds, and the values of the template's
+variables a request gives: ``chat_template_kwargs``) is swapped for a placeholder; after
 rendering, the string is cut at the control spellings left, which only the template can have
 written, each becomes its control token, and the text between them, placeholders put back, is
 encoded with control spellings as the plain characters they are.
@@ -86,14 +87,22 @@ class ControlTokenGuard:
         self._control_re = re.compile(f"({alternatives})")
         self._placeholder_re = re.compile(f"{marker}(\\d+){marker}|{marker}")
 
-    def prompt_ids(self, messages: Messages, render: Callable[[Messages], str]) -> list[int]:
-        """The ids of ``render(messages)``, where only the template's markup makes control tokens.
+    def prompt_ids(
+        self,
+        messages: Messages,
+        render: Callable[[Messages, Mapping[str, Any]], str],
+        variables: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """The ids of ``render(messages, variables)`` (``variables``: more for the template,
+        a request's ``chat_template_kwargs``), where only the template's markup makes control
+        tokens.
 
         Raises:
             whatever ``render`` raises.
         """
         hidden: list[str] = []
-        rendered = render([self._hide_in(message, hidden) for message in messages])
+        shown = [self._hide_in(message, hidden) for message in messages]
+        rendered = render(shown, self._hide_in(variables or {}, hidden))
         if not hidden:
             return self._encoder.encode(rendered)  # nothing to tell apart: as it always was
         ids: list[int] = []

@@ -161,14 +161,14 @@ class HFChatPrompt:
         if add_generation_prompt is not None:
             generation = add_generation_prompt
 
-        def render(hidden: Messages) -> str:
+        def render(hidden: Messages, kept: Mapping[str, Any]) -> str:
             try:
                 rendered = self._tokenizer.apply_chat_template(
                     [template_message(m, self._developer) for m in hidden],
                     add_generation_prompt=generation,
                     continue_final_message=continue_final_message,
                     tokenize=False,
-                    **(variables or {}),
+                    **kept,
                 )
             except ValueError as exc:  # transformers' words for a message it cannot continue
                 if not continue_final_message:
@@ -185,7 +185,7 @@ class HFChatPrompt:
                 raise _refused(exc) from None
             return str(rendered)
 
-        return self._guard.prompt_ids(messages, render)
+        return self._guard.prompt_ids(messages, render, variables)
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=False)]

@@ -17,15 +17,15 @@ It must not know about models or serving.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from replystream.engine.base import GenerationRequest, RequestRejected
 from replystream.engine.chat_template import ChatTemplate
 from replystream.engine.control_tokens import ControlTokenGuard, Messages
 from replystream.engine.tokenizer import ByteTokenizer
 
-Render = Callable[[Messages], str]
+Render = Callable[[Messages, Mapping[str, Any]], str]
 
 
 class PromptFormat(Protocol):
@@ -68,7 +68,9 @@ class ChatPrompt:
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages:
             return self._guard.prompt_ids(
-                request.messages, template_renderer(self._template, request)
+                request.messages,
+                template_renderer(self._template, request),
+                request.chat_template_kwargs,
             )
         return self._tokenizer.encode(request.prompt) or [self._start_id]
 
@@ -95,10 +97,8 @@ def template_renderer(template: ChatTemplate, request: GenerationRequest) -> Ren
     if generation is None:
         generation = not request.continue_final_message
 
-    def render(messages: Messages) -> str:
-        return template.render(
-            messages, generation, request.continue_final_message, request.chat_template_kwargs
-        )
+    def render(messages: Messages, variables: Mapping[str, Any]) -> str:
+        return template.render(messages, generation, request.continue_final_message, variables)
 
     return render
 
