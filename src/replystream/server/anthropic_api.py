@@ -64,6 +64,7 @@ from replystream.server.tool_requests import (
     anthropic_tools,
     check_anthropic_turns,
     check_tool_answers,
+    one_message_a_turn,
     prompt_of,
 )
 from replystream.server.validation import read_model
@@ -123,14 +124,16 @@ def _conversation(request: web.Request, body: MessagesInput) -> GenerationReques
     messages += converted
     check_tool_answers(messages, [*origins, *their_origins])
     check_anthropic_turns(body.messages)
+    # Checked as sent (each error names a message the client wrote); then one turn each.
+    messages = one_message_a_turn(messages)
     tools, tool_choice = anthropic_tools(body.tools, body.tool_choice)
     prompt = prompt_of(messages)
     check_prompt_size(prompt, app[CONFIG_KEY].max_prompt_chars, "messages")
     choice = body.tool_choice
     disabled = None if choice is None else choice.disable_parallel_tool_use
     parallel = None if disabled is None else not disabled
-    # Anthropic's prefill: a final assistant message (text, no tool call) is the start of
-    # the reply, which goes on from it (as chat's ``continue_final_message``).
+    # Anthropic's prefill: a final assistant turn (text, no tool call) is the start of the
+    # reply, which goes on from it (as chat's ``continue_final_message``).
     last = messages[-1] if messages else None
     prefill = last is not None and last["role"] == "assistant" and not last.get("tool_calls")
     output = body.output_config or AnthropicOutputConfig()

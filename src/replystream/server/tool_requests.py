@@ -362,6 +362,30 @@ def anthropic_messages(
     return out, origins
 
 
+def one_message_a_turn(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """``messages`` (from ``anthropic_messages``, checked) with each run of consecutive
+    ``user`` or ``assistant`` messages joined into one, as Anthropic's API combines
+    consecutive messages of one role into a single turn: their text joined as one message's
+    blocks are, an assistant's calls in order. The model reads the turns the client meant
+    (a chat template that wants the roles to alternate takes them), and a prefill split over
+    several assistant messages is continued from all its text. ``tool`` messages, each a
+    result of its own, are never joined."""
+    out: list[ChatMessage] = []
+    for message in messages:
+        last = out[-1] if out else None
+        role = message["role"]
+        if last is None or role != last["role"] or role not in ("user", "assistant"):
+            out.append(dict(message))
+            continue
+        text = (last["content"] or "") + (message["content"] or "")
+        calls = [*(last.get("tool_calls") or ()), *(message.get("tool_calls") or ())]
+        # An assistant's message with calls and no text has ``None`` for content, as chat's.
+        last["content"] = text or (None if calls else "")
+        if calls:
+            last["tool_calls"] = calls
+    return out
+
+
 ResponseItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
