@@ -141,6 +141,16 @@ async def test_only_what_anthropic_refuses_is_refused(client: anthropic.AsyncAnt
             "messages.0.content.0.text: text content blocks must be non-empty",
         ),
         (
+            [said("user", {"type": "text", "text": " \n"})],
+            "messages[0].content[0].text",
+            "messages.0.content.0.text: text content blocks must contain non-whitespace text",
+        ),
+        (
+            [USER, said("assistant", {"type": "text", "text": "\n\n"}), USER],
+            "messages[1].content[0].text",
+            "messages.1.content.0.text: text content blocks must contain non-whitespace text",
+        ),
+        (
             [USER, said("assistant"), USER],
             "messages[1].content",
             "messages.1: all messages must have non-empty content except for the optional "

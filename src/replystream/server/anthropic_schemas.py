@@ -262,7 +262,8 @@ class MessagesInput(Strict):
     def _content_anthropic_takes(self) -> MessagesInput:
         # Anthropic's API refuses these, in these words (a conversation taken here would be
         # refused there): an empty message other than a final assistant one (an empty
-        # prefill), an empty text block, and a prefill ending in whitespace.
+        # prefill), a text block empty or of whitespace alone (a model's reply of blank
+        # lines, sent back as a block, is one), and a prefill ending in whitespace.
         last = len(self.messages) - 1
         for number, message in enumerate(self.messages):
             prefill = number == last and message.role == "assistant"
@@ -278,6 +279,12 @@ class MessagesInput(Strict):
                     raise invalid(
                         f"messages.{number}.content.{place}.text: text content blocks must be "
                         "non-empty",
+                        f"messages[{number}].content[{place}].text",
+                    )
+                if block.type == "text" and block.text.isspace():
+                    raise invalid(
+                        f"messages.{number}.content.{place}.text: text content blocks must "
+                        "contain non-whitespace text",
                         f"messages[{number}].content[{place}].text",
                     )
             if prefill and message.ends_in_whitespace:
