@@ -772,6 +772,37 @@ async def test_chat_template_kwargs_reach_a_transformers_template(chat_model_dir
     assert prompts.prompt_ids(ask, variables={"enable_thinking": True}) == plain
 
 
+async def test_chat_template_kwargs_naming_a_rendering_argument_are_refused_in_our_words(
+    chat_model_dir: Path,
+):
+    """``chat_template_kwargs`` went to ``apply_chat_template`` as keyword arguments: one named
+    as one of its own (``tokenize``, ``conversation``, ``return_assistant_tokens_mask``) was a
+    400 in Python's words naming ``messages`` ("got multiple values for keyword argument"), and
+    ``padding`` was taken by it, never reaching the template. Such a name is refused as the
+    variable it is, naming ``chat_template_kwargs``; other variables reach the template."""
+    from replystream.engine.hf import HFEngineConfig, load_hf_engine
+
+    engine = load_hf_engine(chat_model_dir, HFEngineConfig(max_running=1))
+    ask = [{"role": "user", "content": "the quick fox"}]
+    names = ("tokenize", "conversation", "return_assistant_tokens_mask", "padding")
+    try:
+        async with running(create_app(engine)) as url:
+            got = {}
+            for name in names:
+                body = {"messages": ask, "max_tokens": 1, "chat_template_kwargs": {name: True}}
+                got[name] = await post_events(f"{url}/v1/chat/completions", body)
+            body = {"messages": ask, "max_tokens": 1, "chat_template_kwargs": {"enable": True}}
+            served = await post_events(f"{url}/v1/chat/completions", body)
+    finally:
+        await engine.aclose()
+    assert served.status == 200
+    for name, reply in got.items():
+        error = json.loads(reply.raw)["error"]
+        assert reply.status == 400 and error["param"] == "chat_template_kwargs", (name, error)
+        assert error["message"].startswith(f"chat_template_kwargs may not give {name!r}"), error
+        assert "apply_chat_template" not in error["message"]
+
+
 def test_a_model_folder_whose_config_nests_too_deeply_is_one_line(tmp_path: Path):
     """transformers reads a folder's JSON with ``json.loads``, which recurses: a config
     nested past the interpreter's limit ended ``serve`` in a traceback."""

@@ -10,6 +10,7 @@ serving.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import logging
 import re
@@ -141,6 +142,7 @@ class HFChatPrompt:
         self._guard = ControlTokenGuard(control_ids, self, source)
         self._developer = knows_developer(source)
         self._later = _text_after_control(spec)
+        self._own_arguments = rendering_arguments(tokenizer)
 
     def prompt_ids(
         self,
@@ -160,6 +162,15 @@ class HFChatPrompt:
         generation = not continue_final_message
         if add_generation_prompt is not None:
             generation = add_generation_prompt
+        taken = sorted(self._own_arguments.intersection(variables or {}))
+        if taken:
+            # They reach ``apply_chat_template`` as keyword arguments: one it takes itself is
+            # its own (``padding``), never the template's, or clashes with one given it here.
+            raise RequestRejected(
+                f"chat_template_kwargs may not give {taken[0]!r}: this model's chat template "
+                "is rendered by transformers, which takes that name as its own argument",
+                param="chat_template_kwargs",
+            )
 
         def render(hidden: Messages, kept: Mapping[str, Any]) -> str:
             try:
@@ -195,6 +206,14 @@ class HFChatPrompt:
             return list(self._later.encode(text, add_special_tokens=False).ids)
         ids = self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
         return [int(i) for i in ids]
+
+
+def rendering_arguments(tokenizer: Any) -> frozenset[str]:
+    """The names ``apply_chat_template`` takes as its own arguments (``tokenize``,
+    ``padding``, ...): not the template's variables, which it takes as more keywords."""
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in parameters if p.kind in named)
 
 
 def chat_template_source(tokenizer: Any) -> str:
