@@ -809,7 +809,8 @@ def test_a_model_folder_whose_config_nests_too_deeply_is_one_line(tmp_path: Path
     _require_hf()
     (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     done = subprocess.run(
-        [sys.executable, "-m", "replystream", "serve", "--engine", f"hf:{tmp_path}"],
+        # (``--port 0``: the default port is checked first, and may be taken on the machine)
+        [sys.executable, "-m", "replystream", "serve", "--engine", f"hf:{tmp_path}", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -146,7 +146,7 @@ def test_a_bad_script_file_is_one_line_naming_the_flag(script: str, says: str, t
     path = tmp_path / "bad.json"
     path.write_text(script)
     done = subprocess.run(
-        [*SERVE, "--engine", "simulated", "--reply-script", str(path)],
+        [*SERVE, "--engine", "simulated", "--reply-script", str(path), "--port", "0"],
         capture_output=True,
         text=True,
         timeout=60,
