@@ -182,6 +182,21 @@ async def test_deploy_config_streams_events_and_compresses_json(app_url, tmp_pat
     assert wait.complete and wait.headers.get("content-encoding") == "gzip"
 
 
+async def test_deploy_config_waits_for_a_buffered_reply_longer_than_nginxs_default(tmp_path):
+    # A buffered reply (/wait) sends nothing until it is whole: a minute of generation is
+    # a minute of silence, past nginx's default proxy_read_timeout (60 s), which answers 504.
+    # Here an http-level 2 s stands in for that default (a location that sets none inherits
+    # it) and the reply takes about 4 s.
+    schedule = ("--engine", "simulated", "--delay-ms", "40", "--jitter-ms", "0", "--tokens", "100")
+    async with replica(*schedule) as (_, app_url):
+        port = free_port()
+        config = "proxy_read_timeout 2s;\n" + deploy_config(app_url, port)
+        async with running_nginx(config, port, tmp_path) as proxy:
+            wait = await measure_reply(f"{proxy}/wait?max_tokens=100", timeout_s=60)
+    assert wait.status == 200 and wait.complete, (wait.status, wait.error)
+    assert wait.last_text_ms is not None and wait.last_text_ms > 2500
+
+
 async def ws_reply_from(address: str, proxy: str, spoofed_for: str | None = None) -> str:
     """Open /v1/ws from ``address`` through ``proxy``, run one reply, return how it ended."""
     headers = {"X-Forwarded-For": spoofed_for} if spoofed_for else {}
