@@ -413,6 +413,12 @@ function send(prompt) {
   runTurn(turn);
 }
 
+// Lone surrogates as U+FFFD (String.prototype.toWellFormed, where the browser has it: before
+// 2023 none did, and the text then goes as it is).
+function wellFormed(text) {
+  return typeof text.toWellFormed === 'function' ? text.toWellFormed() : text;
+}
+
 composer.addEventListener('submit', (event) => {
   event.preventDefault();
   if (running) {
@@ -424,7 +430,7 @@ composer.addEventListener('submit', (event) => {
   // As written, less trailing blank space: a pasted block keeps its indentation. Half a
   // character (a lone surrogate: text cut inside an emoji) becomes U+FFFD, as shown and as
   // sent: JSON.stringify would send it as an escape the server's JSON parser refuses.
-  const prompt = promptBox.value.trimEnd().toWellFormed();
+  const prompt = wellFormed(promptBox.value.trimEnd());
   if (!prompt.trim()) {
     statusLine.textContent = 'Nothing to send: the message is empty.';
     return;

@@ -174,7 +174,9 @@ $('#start').addEventListener('submit', async (event) => {
   try {
     const apiKey = $('#api-key').value.trim();
     // Half a character (a lone surrogate) as U+FFFD, as the chat page sends it.
-    const id = await startReply($('#prompt').value.toWellFormed(), apiKey);
+    const prompt = $('#prompt').value;
+    const id = await startReply(
+      typeof prompt.toWellFormed === 'function' ? prompt.toWellFormed() : prompt, apiKey);
     $('#reply-id').textContent = id;
     log(`reply ${id} started; its POST was aborted after the headers`);
     follow(id, apiKey);
