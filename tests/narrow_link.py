@@ -65,14 +65,31 @@ def widen(writer: asyncio.StreamWriter) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
 
 
-class NarrowResponse:
+class NarrowSocket:
+    """A client's end of a narrow connection: widened, or closed, when its test is done."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    def widen(self) -> None:
+        widen(self.writer)
+
+    async def close(self) -> None:
+        self.writer.close()
+        try:
+            await self.writer.wait_closed()
+        except ConnectionError:
+            pass
+
+
+class NarrowResponse(NarrowSocket):
     """One HTTP/1.1 request on a narrow connection, its body read only when asked (aiohttp's
     client, its read buffer made as small, was seen to stop taking a paused chat stream
     from its socket for good, though read on)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+        super().__init__(reader, writer)
         self.status = 0
         self.headers: dict[str, str] = {}
         self._left = 0  # of the current chunk
@@ -130,23 +147,9 @@ class NarrowResponse:
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             raise ConnectionError(f"the body was cut short: {exc!r}") from None
 
-    def widen(self) -> None:
-        widen(self.writer)
 
-    async def close(self) -> None:
-        self.writer.close()
-        try:
-            await self.writer.wait_closed()
-        except ConnectionError:
-            pass
-
-
-class RawWebSocket:
+class RawWebSocket(NarrowSocket):
     """A WebSocket client on a narrow socket that reads a frame only when asked."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
 
     @classmethod
     async def connect(cls, host: str, port: int, path: str) -> RawWebSocket:
@@ -166,9 +169,6 @@ class RawWebSocket:
             writer.close()
             raise ConnectionError(f"no upgrade: {head[:200]!r}")
         return cls(reader, writer)
-
-    def widen(self) -> None:
-        widen(self.writer)
 
     def send_json(self, message: dict[str, Any]) -> None:
         payload = json.dumps(message).encode()
@@ -197,13 +197,6 @@ class RawWebSocket:
             if exc.partial:
                 raise ConnectionError(f"a frame cut short: {exc.partial[:80]!r}") from None
             return -1, b""
-
-    async def close(self) -> None:
-        self.writer.close()
-        try:
-            await self.writer.wait_closed()
-        except ConnectionError:
-            pass
 
 
 def main() -> int:
