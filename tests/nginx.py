@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -67,6 +70,39 @@ def proxy_config(upstream: str, port: int, location: str) -> str:
     pass chunks on despite ``proxy_buffering on``; the default is what most sites run).
     """
     return _PROXY.format(port=port, upstream=upstream, location=f"            {location}")
+
+
+DEPLOY_CONFIG = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "nginx.conf"
+
+
+@dataclass(frozen=True)
+class SiteTls:
+    """Where the deploy file's TLS listener runs in a test: its port, certificate and key."""
+
+    port: int
+    certificate: Path
+    key: Path
+
+
+def deploy_config(app_url: str, port: int, tls: SiteTls | None = None) -> str:
+    """docs/deploy/nginx.conf with its listen port and upstream address substituted.
+
+    With ``tls`` its TLS listener (HTTP/2) is on ``tls.port`` with that certificate; without,
+    the TLS lines are left out, as a site without a certificate would.
+    """
+    text = DEPLOY_CONFIG.read_text()
+    counts = []
+    for pattern, value in (
+        (r"listen 8080;", f"listen 127.0.0.1:{port};"),
+        (r"server 127\.0\.0\.1:8000;", f"server {urlsplit(app_url).netloc};"),
+        (r"listen 8443 ssl http2;", tls and f"listen 127.0.0.1:{tls.port} ssl http2;"),
+        (r"ssl_certificate +\S+;", tls and f"ssl_certificate {tls.certificate};"),
+        (r"ssl_certificate_key +\S+;", tls and f"ssl_certificate_key {tls.key};"),
+    ):
+        text, count = re.subn(pattern, value or "", text)
+        counts.append(count)
+    assert counts == [1] * 5, counts
+    return text
 
 
 def _write_config(http_config: str, tmp: Path) -> Path:

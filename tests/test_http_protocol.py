@@ -24,9 +24,8 @@ from replystream.server.front_door import unrouted
 from replystream.server.guard_config import GuardConfig
 from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
-from tests.nginx import running_nginx
+from tests.nginx import deploy_config, running_nginx
 from tests.services import free_port
-from tests.test_nginx_doctor import deploy_config
 
 MARKER = "EVIL-bytes-7f3a"  # sent inside bad requests; must never come back
 

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -23,12 +21,11 @@ from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.engine.simulated import DEFAULT_REPLY, reply_of_length
 from replystream.lab.diagnosis import Diagnosis, Thresholds, diagnose
 from tests.conftest import serve_engine
-from tests.nginx import LOCATIONS, proxy_config, running_nginx
+from tests.nginx import LOCATIONS, deploy_config, proxy_config, running_nginx
 from tests.processes import replica
 from tests.services import free_port
 
 TOKENS = 400
-REPO = Path(__file__).resolve().parents[1]
 
 
 def long_reply_engine() -> SimulatedEngine:
@@ -149,15 +146,6 @@ async def test_gzip_over_proxy_buffering_names_both_hops_and_both_fixes(app_url,
     assert "nginx proxy buffering" in result.hop
     assert result.fix is not None and "gzip_types" in result.fix
     assert "proxy_buffering off" in result.fix
-
-
-def deploy_config(app_url: str, port: int) -> str:
-    """docs/deploy/nginx.conf with its listen port and upstream address substituted."""
-    text = (REPO / "docs" / "deploy" / "nginx.conf").read_text()
-    text, listens = re.subn(r"listen 8080;", f"listen 127.0.0.1:{port};", text)
-    text, servers = re.subn(r"server 127\.0\.0\.1:8000;", f"server {upstream_of(app_url)};", text)
-    assert (listens, servers) == (1, 1)
-    return text
 
 
 async def test_deploy_config_streams_events_and_compresses_json(app_url, tmp_path):

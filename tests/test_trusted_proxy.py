@@ -21,9 +21,8 @@ from replystream.server import create_app, running
 from replystream.server.guard_config import GuardConfig, parse_trusted_proxies
 from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
-from tests.nginx import running_nginx
+from tests.nginx import deploy_config, running_nginx
 from tests.services import free_port
-from tests.test_nginx_doctor import deploy_config
 
 PER_MINUTE = 2
 
