@@ -5,6 +5,7 @@ holds one: a seventh stream waits, silent, until another ends. Over HTTP/2 they 
 connection. Headless Chromium opens eight EventSources through a real nginx running the
 deploy file, on its plain listener and on its TLS one, and one stream is closed mid-reply to
 see that the reset of one HTTP/2 stream reaches the app as a cancel, and the others go on.
+The WebSocket transport, which nginx takes over HTTP/1.1 alone, works from the TLS listener.
 """
 
 from __future__ import annotations
@@ -71,6 +72,21 @@ CLOSE_ONE = """async () => {
 }"""
 
 
+# One reply over the WebSocket transport from the page; how it ended.
+WEBSOCKET_REPLY = """() => new Promise((resolve, reject) => {
+  const socket = new WebSocket(location.origin.replace('https:', 'wss:') + '/v1/ws');
+  socket.onopen = () => socket.send(JSON.stringify({type: 'reply', id: 'q', prompt: 'Hi'}));
+  socket.onmessage = (event) => {
+    const message = JSON.parse(event.data);
+    if (message.type === 'done' || message.type === 'error') {
+      socket.close();
+      resolve(message.type);
+    }
+  };
+  socket.onerror = () => reject(new Error('the socket failed'));
+})"""
+
+
 class Site:
     def __init__(self, app_url: str, http_url: str, https_url: str) -> None:
         self.app_url = app_url
@@ -97,27 +113,34 @@ async def site(tmp_path: Path) -> AsyncIterator[Site]:
             yield Site(app_url, http_url, f"https://127.0.0.1:{tls.port}")
 
 
-async def open_streams(url: str) -> dict[str, Any]:
+async def run_on_page(url: str, script: str, *argument: object) -> Any:
+    """``script``'s result, run in Chromium on the chat page at ``url``."""
     async with chromium() as browser:
         context = await browser.new_context(ignore_https_errors=True)
         page = await context.new_page()
         await page.goto(f"{url}/")
-        result: dict[str, Any] = await page.evaluate(OPEN_STREAMS, STREAMS)
+        result = await page.evaluate(script, *argument)
         await context.close()
     return result
 
 
 async def test_over_http2_every_stream_starts_at_once(site: Site) -> None:
-    result = await open_streams(site.https_url)
+    result = await run_on_page(site.https_url, OPEN_STREAMS, STREAMS)
     assert result["protocol"] == "h2"
     streams = result["streams"]
     first_end = min(stream["end"] for stream in streams)
     assert all(stream["first"] < first_end for stream in streams), streams
 
 
+async def test_the_websocket_transport_works_from_the_tls_listener(site: Site) -> None:
+    # nginx 1.22 takes no WebSocket over HTTP/2: the browser opens an HTTP/1.1 connection
+    # for it beside the page's HTTP/2 one, and the file's /v1/ws location passes it on.
+    assert await run_on_page(site.https_url, WEBSOCKET_REPLY) == "done"
+
+
 async def test_over_http11_a_seventh_stream_waits_for_a_connection(site: Site) -> None:
     # What the TLS listener is for: the same page on the plain listener.
-    result = await open_streams(site.http_url)
+    result = await run_on_page(site.http_url, OPEN_STREAMS, STREAMS)
     assert result["protocol"] == "http/1.1"
     streams = result["streams"]
     first_end = min(stream["end"] for stream in streams)
@@ -126,12 +149,6 @@ async def test_over_http11_a_seventh_stream_waits_for_a_connection(site: Site) -
 
 
 async def test_closing_one_http2_stream_cancels_its_reply_alone(site: Site) -> None:
-    async with chromium() as browser:
-        context = await browser.new_context(ignore_https_errors=True)
-        page = await context.new_page()
-        await page.goto(f"{site.https_url}/")
-        texts = await page.evaluate(CLOSE_ONE)
-        await context.close()
-    assert texts == [1, 50]
+    assert await run_on_page(site.https_url, CLOSE_ONE) == [1, 50]
     # The browser's reset of the one stream reached the app as its connection closed.
     assert await site.outcomes() == {"cancelled": 1.0, "finished": 1.0}
