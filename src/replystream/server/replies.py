@@ -450,6 +450,8 @@ class ReplyManager:
         # grace period waits for them, and shutdown cancels those still running then.
         self.answers: set[asyncio.Future[Any]] = set()
         self.readers: set[Follower] = set()  # every open reader, to interrupt on shutdown
+        self.unread = asyncio.Event()  # set while no reader is open
+        self.unread.set()
         self.connections: set[ReplyConnection] = set()  # to close on shutdown
         self.quiet = asyncio.Event()  # set once shut down, with no reader or connection left
         self.idle = asyncio.Event()
@@ -519,9 +521,12 @@ class ReplyManager:
 
     def add_reader(self, reader: Follower) -> None:
         self.readers.add(reader)
+        self.unread.clear()
 
     def forget_reader(self, reader: Follower) -> None:
         self.readers.discard(reader)
+        if not self.readers:
+            self.unread.set()
         self._note_if_quiet()
 
     def forget_connection(self, connection: ReplyConnection) -> None:
@@ -537,6 +542,16 @@ class ReplyManager:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self.quiet.wait()
+
+    async def wait_drained(self, timeout_s: float) -> None:
+        """The grace: wait for every reply, whole answer and reader to be done. A reply that
+        ended may still be on its way to a slow client, and a reader may follow a reply
+        another replica makes: both are streams in flight."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while len(self) or self.readers:
+                    await self.idle.wait()
+                    await self.unread.wait()
 
     async def wait_stopped(self, timeout_s: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -60,15 +60,21 @@ class RunningServer:
         self.sock.close()
 
     async def shutdown(self, grace_s: float) -> None:
-        """Stop accepting, give replies ``grace_s`` to finish, then end the rest in-band and
-        close every connection that carries replies, each within a bounded time."""
+        """Stop accepting, give replies and the streams sending them ``grace_s`` to finish,
+        then end the rest in-band and close every connection that carries replies, each
+        within a bounded time."""
         await self.site.stop()
         self.stop_listening()
         manager = self.app[MANAGER_KEY]
         manager.stop_accepting()
-        if len(manager):
-            log.warning("shutting down: %d replies in flight, %.1f s grace", len(manager), grace_s)
-            await manager.wait_stopped(grace_s)
+        if len(manager) or manager.readers:
+            log.warning(
+                "shutting down: %d replies in flight, %d streams being sent, %.1f s grace",
+                len(manager),
+                len(manager.readers),
+                grace_s,
+            )
+            await manager.wait_drained(grace_s)
         # Replies still running, and readers of replies made elsewhere, end with an error;
         # each WebSocket sends its replies' endings, then closes (1001).
         manager.shut_down()

@@ -148,7 +148,8 @@ SERVER = Group(
         ),
         Setting(
             "--shutdown-grace-s",
-            "on SIGTERM, how long replies in flight may take to finish",
+            "on SIGTERM, how long replies in flight, and the streams still sending replies, may "
+            "take to finish",
             SHUTDOWN_GRACE_S,
             fills=(ServerConfig, "shutdown_grace_s"),
         ),

@@ -1,0 +1,88 @@
+"""A replica stopped (SIGTERM's drain) while clients read: what each reader gets, and when
+the replica is done. The drain's grace covers every stream being sent, not only the replies
+being made: a reply that ended may still be on its way to its client, and a reader may be
+following a reply another replica makes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.server import create_app
+from replystream.server.context import MANAGER_KEY
+from replystream.server.serve import serving
+from replystream.server.server_config import ServerConfig
+from replystream.sse import EventParser
+from tests.conftest import fast_engine, wait_for
+from tests.processes import replica
+from tests.redis_server import redis_server
+from tests.stalling_proxy import small_send_buffer
+from tests.test_delivery_server import stalled_post
+
+# Words of 2,000 characters: a reply of megabytes, so a client that stops reading holds
+# the server's writes up long after the reply was made.
+LONG_WORDS = ("w" * 2000 + " ") * 2000
+
+
+async def test_a_reply_made_whole_whose_slow_client_still_reads_it_is_sent_whole_in_the_grace():
+    engine = fast_engine(reply_text=LONG_WORDS, delay_ms=0.05, jitter_ms=0)
+    # Limits far past the reply, so the slow client is not cut for being slow.
+    policy = DeliveryPolicy(slow_client_bytes=64 << 20, slow_client_s=60)
+    app = create_app(engine, ServerConfig(policy=policy))
+    app.on_response_prepare.append(small_send_buffer)
+    manager = app[MANAGER_KEY]
+    async with serving(app) as server:
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+        body["max_tokens"] = 2000
+        response = await stalled_post(
+            f"{server.url}/v1/chat/completions", json.dumps(body).encode()
+        )
+        # The reply is made (it left the manager) while its reader still has it to send.
+        await wait_for(lambda: len(manager) == 0, 20)
+        assert manager.readers
+        started = time.monotonic()
+        stopping = asyncio.create_task(server.shutdown(30))
+        await asyncio.sleep(0.5)  # the drain has begun; the client reads again
+        events = EventParser().feed(await response.read_body())
+        await asyncio.wait_for(stopping, 30)
+        took = time.monotonic() - started
+    assert events[-1].data == "[DONE]", events[-1]
+    text = "".join(
+        choice["delta"].get("content", "")
+        for event in events[:-1]
+        for choice in json.loads(event.data)["choices"]
+    )
+    assert text == LONG_WORDS
+    assert took < 20, took  # done once its last reader was, not at the grace's end
+
+
+async def test_a_reader_of_another_replicas_reply_reads_on_to_its_end_in_the_grace(
+    tmp_path: Path,
+) -> None:
+    args = ("--engine", "simulated", "--tokens", "60", "--delay-ms", "50", "--jitter-ms", "0")
+    with redis_server(tmp_path / "redis") as redis:
+        async with (
+            replica(*args, "--redis-url", redis.url, "--shutdown-grace-s", "30") as (a, a_url),
+            replica(*args, "--redis-url", redis.url) as (_, b_url),
+            aiohttp.ClientSession() as http,
+        ):
+            asked = {"prompt": "hi", "resumable": True}
+            async with http.post(f"{b_url}/v1/replies", json=asked) as made:
+                reply_id = made.headers["X-Reply-Id"]
+                # Followed on A from the start while B makes it (about 3 s).
+                async with http.get(f"{a_url}/v1/replies/{reply_id}/stream") as followed:
+                    await followed.content.readuntil(b"event: token")
+                    started = time.monotonic()
+                    a.send_signal(signal.SIGTERM)
+                    events = EventParser().feed(await followed.read())
+                await made.read()
+            assert await asyncio.wait_for(a.wait(), 30) == 0
+            took = time.monotonic() - started
+    assert events[-1].type == "done", events[-1]
+    assert took < 15, took  # the reply's end, not the grace's
