@@ -86,3 +86,23 @@ async def test_a_reader_of_another_replicas_reply_reads_on_to_its_end_in_the_gra
             took = time.monotonic() - started
     assert events[-1].type == "done", events[-1]
     assert took < 15, took  # the reply's end, not the grace's
+
+
+async def test_a_second_sigterm_during_the_grace_ends_it_and_tells_the_replies_in_band():
+    args = ("--engine", "simulated", "--tokens", "400", "--delay-ms", "50", "--jitter-ms", "0")
+    async with (
+        replica(*args, "--shutdown-grace-s", "60") as (process, url),
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(f"{url}/v1/replies", json={"prompt": "hi"}) as response:
+            await response.content.readuntil(b"event: token")
+            process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)  # draining: the reply (20 s) would outlast its wait
+            started = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            events = EventParser().feed(await response.read())
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+        took = time.monotonic() - started
+    assert events[-1].type == "error", events[-1]
+    assert json.loads(events[-1].data)["error"]["code"] == "shutdown"
+    assert took < 10, took  # not the 60 s grace

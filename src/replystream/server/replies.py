@@ -543,15 +543,13 @@ class ReplyManager:
             async with asyncio.timeout(timeout_s):
                 await self.quiet.wait()
 
-    async def wait_drained(self, timeout_s: float) -> None:
-        """The grace: wait for every reply, whole answer and reader to be done. A reply that
-        ended may still be on its way to a slow client, and a reader may follow a reply
-        another replica makes: both are streams in flight."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                while len(self) or self.readers:
-                    await self.idle.wait()
-                    await self.unread.wait()
+    async def wait_drained(self) -> None:
+        """The grace (its caller bounds it): wait for every reply, whole answer and reader to
+        be done. A reply that ended may still be on its way to a slow client, and a reader
+        may follow a reply another replica makes: both are streams in flight."""
+        while len(self) or self.readers:
+            await self.idle.wait()
+            await self.unread.wait()
 
     async def wait_stopped(self, timeout_s: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -52,6 +52,19 @@ class RunningServer:
         self.site = site
         self.url = url
         self.sock = sock
+        self._grace: asyncio.Timeout | None = None  # while the grace runs
+        self._grace_ended = False
+
+    def end_grace(self) -> None:
+        """Cut the grace short (a second SIGINT or SIGTERM: the operator will not wait): the
+        replies still running are told ``shutdown`` in-band now, as at the grace's end."""
+        if self._grace_ended:
+            return
+        self._grace_ended = True
+        grace = self._grace
+        if grace is not None and not grace.expired():
+            log.warning("stopped again: the grace ends now")
+            grace.reschedule(asyncio.get_running_loop().time())
 
     def stop_listening(self) -> None:
         """Close the listening socket, so a new connection is refused at once rather than
@@ -67,14 +80,17 @@ class RunningServer:
         self.stop_listening()
         manager = self.app[MANAGER_KEY]
         manager.stop_accepting()
-        if len(manager) or manager.readers:
+        if (len(manager) or manager.readers) and not self._grace_ended:
             log.warning(
                 "shutting down: %d replies in flight, %d streams being sent, %.1f s grace",
                 len(manager),
                 len(manager.readers),
                 grace_s,
             )
-            await manager.wait_drained(grace_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace_s) as self._grace:
+                    await manager.wait_drained()
+            self._grace = None
         # Replies still running, and readers of replies made elsewhere, end with an error;
         # each WebSocket sends its replies' endings, then closes (1001).
         manager.shut_down()
@@ -168,17 +184,28 @@ async def serve_forever(
     parent's ``parent_pid``: it also stops, the same way, when that parent is gone. With
     ``on_hangup``, a SIGHUP calls it (and one that came while the server started, once it
     serves); else it stops the server as SIGTERM does (a terminal closed, or a reload asked
-    of a server with nothing to read again, must not cut its replies without a word)."""
+    of a server with nothing to read again, must not cut its replies without a word). A
+    second SIGINT or SIGTERM while it stops ends the grace at once (not in a worker)."""
     stop = asyncio.Event()
+    running: list[RunningServer] = []  # the server, once it serves
+
+    def stop_or_hurry() -> None:
+        # A second stop signal ends the grace. Not in a worker: a signal sent to the whole
+        # group reaches it twice (from there and from its parent), one stop for the operator.
+        if stop.is_set() and parent_pid is None and running:
+            running[0].end_grace()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_or_hurry)
     if start_interrupt.interrupted():
         # A Ctrl-C during the start that some code swallowed: the start ends as it would
         # have (exit 130), before the port is announced.
         raise KeyboardInterrupt
     loop.add_signal_handler(signal.SIGHUP, on_hangup if on_hangup is not None else stop.set)
     async with serving(app, host, port, sock) as server:
+        running.append(server)
         tune_collector()
         if announce is not None:
             announce_lines(announce(server.url))
