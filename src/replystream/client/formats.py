@@ -19,7 +19,8 @@ carrying text and of saying "finished" or "failed":
   Messages ``thinking_delta``;
 - buffered bodies: ``{"text": ...}``, an OpenAI ``chat.completion`` / ``text_completion``, a
   Responses object (its end read as its stream's terminal event is) or an Anthropic ``message``.
-``event: error`` always means failure, and a terminal marker is required for success.
+``event: error`` always means failure (as does llama.cpp's ``error:`` line, which the
+measuring client's parser reads as one), and a terminal marker is required for success.
 """
 
 from __future__ import annotations

@@ -197,7 +197,10 @@ class _Reading:
 
 
 async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
-    parser = EventParser(reading.max_event_size)
+    # A stream measured may be any server's: llama.cpp's server (its builds before October
+    # 2025) wrote an error mid-reply as an ``error:`` line, then ``data: [DONE]``, which read
+    # by the standard alone is a whole reply.
+    parser = EventParser(reading.max_event_size, error_field=True)
     async for chunk in response:
         at = reading.ms(chunk.at)
         if reading.first_chunk_ms is None:
