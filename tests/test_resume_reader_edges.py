@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from email.utils import formatdate
 
 import pytest
 
@@ -365,3 +366,30 @@ async def test_giving_up_on_refused_resumes_tells_the_last_refusal():
         with pytest.raises(ResumeFailed, match="is gone") as gone:
             await read_all(ResumingReader(url, backoff=FAST))
     assert gone.value.status == 404
+
+
+def http_date_in(seconds: float) -> bytes:
+    """An IMF-fixdate ``seconds`` from now, as a proxy writes a ``Retry-After``."""
+    return formatdate(time.time() + seconds, usegmt=True).encode()
+
+
+async def test_a_retry_after_given_as_a_date_is_told_as_the_seconds_until_it():
+    refusal = BUSY.replace(b"503 Busy", b"429 Too Many Requests") % http_date_in(30)
+    async with raw_server(closing(refusal)) as (url, _):
+        with pytest.raises(ResumeFailed) as refused:
+            await read_all(ResumingReader(url, backoff=FAST))
+    assert refused.value.status == 429
+    # A date is whole seconds: 29 to 30 from when it was written.
+    assert refused.value.retry_after_s is not None and 28 <= refused.value.retry_after_s <= 30
+
+
+async def test_a_resume_refused_with_a_date_waits_until_it():
+    answers = [HEAD + b"id: 1\ndata: {}\n\n", BUSY % http_date_in(2), ENDED]
+    async with raw_server(lambda n: (answers[min(n, 2)], False)) as (url, served):
+        reader = ResumingReader(url, backoff=Backoff(0.001, 0.002, 5))
+        started = time.monotonic()
+        await read_all(reader)
+    assert reader.finished and len(served) == 3
+    # The date is whole seconds, so the wait is 1 to 2 s: at least 1, not the backoff's
+    # milliseconds that a date taken as absent leaves.
+    assert time.monotonic() - started >= 0.9

@@ -32,8 +32,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import random
 import ssl
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -47,6 +49,7 @@ from replystream.client.transport import (
     http_request,
     with_headers,
 )
+from replystream.retry_after import retry_after_s
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 
 # How long a connection may carry nothing before it counts as dropped: a few times the
@@ -366,9 +369,13 @@ def _reply_id(event: Event) -> str | None:
 
 
 def _retry_after(value: str) -> float | None:
-    """A ``Retry-After`` in seconds (its HTTP-date form, and anything else, taken as absent)."""
+    """A ``Retry-After`` in seconds: its delay-seconds as given, or its HTTP-date (RFC 9110
+    allows either; proxies and CDNs send dates) as seconds from now. A date already past,
+    and anything else, is taken as absent."""
     value = value.strip()
-    return float(value) if value.isascii() and value.isdigit() else None
+    if value.isascii() and value.isdigit():
+        return float(value)
+    return retry_after_s(value, time.time(), math.inf)
 
 
 def _code(event: Event) -> str | None:

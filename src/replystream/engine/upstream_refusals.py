@@ -41,10 +41,10 @@ from collections.abc import Sequence
 from pydantic_core import from_json
 
 from replystream.engine.base import EngineError, RequestRejected
-from replystream.engine.retry_after import retry_after_s
 from replystream.engine.upstream_errors import PLAIN_TO_TLS, quoted
 from replystream.engine.upstream_http_connection import Response
 from replystream.engine.upstream_proxy import CREDENTIALS_ASKED
+from replystream.retry_after import retry_after_s
 
 CHAT_PATH = "/chat/completions"  # the route every upstream serves (after its base URL)
 BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message

@@ -5,7 +5,8 @@ This file decides what a header value means: ``delay-seconds`` (ASCII digits onl
 read, section 5.6.7), as seconds from now, at most the caller's bound. Anything else (a sign,
 a fraction, words, a date that is no date, a date already past) asks for nothing, as if the
 header were absent. The wall clock is passed in; nothing here reads one. It must not know
-what the wait is for.
+what the wait is for: the relay reads an upstream's refusal with it, the resuming reader a
+server's.
 """
 
 from __future__ import annotations
