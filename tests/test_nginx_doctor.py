@@ -10,20 +10,24 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import AsyncIterator
+import zlib
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from replystream.client import measure_reply
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.engine.simulated import DEFAULT_REPLY, reply_of_length
 from replystream.lab.diagnosis import Diagnosis, Thresholds, diagnose
+from replystream.server import running
 from tests.conftest import serve_engine
 from tests.nginx import LOCATIONS, deploy_config, proxy_config, running_nginx
 from tests.processes import replica
 from tests.services import free_port
+from tests.test_doctor_compare import ROUTE, bursty, chunk
 
 TOKENS = 400
 
@@ -287,3 +291,49 @@ async def test_a_fast_engine_streams_directly_and_is_still_caught_behind_a_buffe
     assert proxied["hop"] is not None and "nginx proxy buffering" in proxied["hop"]
     assert proxied["direct"]["verdict"] == "streaming"
     assert "the app streams" in proxied["comparison"]
+
+
+def gzipping_app() -> web.Application:
+    """An app whose own middleware gzips its event stream without flushing (as a compressor
+    that waits for enough bytes does): 100 chat chunks 5 ms apart, held until the end."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        headers = {"Content-Type": "text/event-stream", "Content-Encoding": "gzip"}
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(request)
+        compressor = zlib.compressobj(6, zlib.DEFLATED, 31)
+        for i in range(100):
+            await asyncio.sleep(0.005)
+            if held := compressor.compress(chunk(f"w{i} ")):
+                await response.write(held)
+        await response.write(compressor.compress(b"data: [DONE]\n\n") + compressor.flush())
+        return response
+
+    app = web.Application()
+    app.router.add_post(ROUTE, completions)
+    return app
+
+
+@pytest.mark.parametrize(
+    ("app", "verdict"), [(bursty, "bursty"), (gzipping_app, "compressed")], ids=["held", "gzipped"]
+)
+async def test_an_app_that_holds_its_own_stream_is_named_not_the_nginx_in_front(
+    tmp_path, app: Callable[[], web.Application], verdict: str
+):
+    # nginx streams here (proxy_buffering off, no gzip): only its Server header is there.
+    async with running(app()) as app_url:
+        port = free_port()
+        config = proxy_config(upstream_of(app_url), port, LOCATIONS["buffering_off"])
+        async with running_nginx(config, port, tmp_path) as proxy:
+            code, out = await run_cli(
+                "doctor", proxy + ROUTE, "--direct", app_url + ROUTE, "--model", "m", "--json"
+            )
+    result = json.loads(out)
+    assert code == 1
+    assert result["headers"]["server"].startswith("nginx")
+    assert (result["verdict"], result["direct"]["verdict"]) == (verdict, verdict), result
+    for judged in (result, result["direct"]):
+        assert judged["hop"].startswith("the app"), judged["hop"]
+        assert "between the app and this client" not in judged["hop"], judged["hop"]
+        assert "nginx" not in judged["hop"] and "proxy_buffering" not in judged["fix"], judged
+    assert "the app itself is already" in result["comparison"]

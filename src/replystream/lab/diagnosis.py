@@ -39,7 +39,7 @@ the median gap near the token time, so one stall does not turn a stream into a b
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from replystream.client import ReplyTiming
@@ -346,6 +346,43 @@ def _cork_beat(bursts: list[Burst]) -> float | None:
     beat = percentile(beats, 50)
     low, high = _CORK_BEAT_MS
     return beat if low <= beat <= high else None
+
+
+# The verdicts of a stream that arrived held (not one by one), whoever held it.
+_HELD: frozenset[Verdict] = frozenset({"compressed", "buffered", "bursty"})
+
+
+def _app_fix(direct: Diagnosis) -> str:
+    """What the app must change when its own URL already holds the stream."""
+    if direct.verdict == "compressed":
+        change = (
+            "stop compressing text/event-stream in the app (its gzip middleware), or flush "
+            "the compressor after every event"
+        )
+    elif "text/event-stream" not in direct.headers.get("content-type", "").lower():
+        change = "answer with the streaming endpoint (SSE), not one body"
+    else:
+        change = (
+            "write and flush each event as it is made (no buffering in the app or its framework)"
+        )
+    return f"{change}; then run doctor again, to judge the proxy once the app streams"
+
+
+def together(direct: Diagnosis, proxied: Diagnosis) -> tuple[Diagnosis, Diagnosis]:
+    """Both paths' diagnoses with their hop and fix as both measurements tell them.
+
+    Judged alone, each path names the hop its headers suggest: the proxy's ``Server`` (nginx)
+    for the proxied path, "a hop between the app and this client" for the direct one. When
+    the app's own URL already holds the stream and the proxied path holds it too, the app is
+    the hop on both (what a proxy adds cannot be seen until the app streams), so neither
+    names the proxy or a hop in between. Other pairs are left as judged (``compare`` says
+    which side to look at).
+    """
+    if direct.verdict not in _HELD or proxied.verdict not in _HELD:
+        return direct, proxied
+    hop = f"the app (or its framework): its own URL is already {direct.verdict}"
+    fix = _app_fix(direct)
+    return replace(direct, hop=hop, fix=fix), replace(proxied, hop=hop, fix=fix)
 
 
 def compare(direct: Diagnosis, proxied: Diagnosis) -> str:

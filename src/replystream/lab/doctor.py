@@ -3,8 +3,8 @@
 This file decides the command line, the requests (one streamed reply per path; with
 ``--direct``, the app's own URL and the proxied URL are measured at the same time) and how the
 diagnosis is printed. It must not judge the delivery itself: the verdict, hop and fix are
-``diagnosis.diagnose``'s. The exit status is 0 only when the URL streams, so the command can
-gate CI.
+``diagnosis.diagnose``'s (and ``diagnosis.together``'s, for two paths). The exit status is 0
+only when the URL streams, so the command can gate CI.
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ from replystream.cli_values import (
 )
 from replystream.client import ReplyTiming, measure_reply
 from replystream.lab.client_options import add_client_arguments, tls_for
-from replystream.lab.diagnosis import Diagnosis, Thresholds, compare, diagnose, never_asked
+from replystream.lab.diagnosis import (
+    Diagnosis,
+    Thresholds,
+    compare,
+    diagnose,
+    never_asked,
+    together,
+)
 from replystream.lab.served_model import ModelLookupError, served_model
 from replystream.lab.workload import APIS, MODEL_APIS, Api, build_request, detect_api
 
@@ -203,7 +210,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"replystream doctor: {exc}", file=sys.stderr)
         return 1
     proxied = diagnose(proxied_timing, thresholds)
-    direct = diagnose(direct_timing, thresholds) if direct_timing else None
+    direct = None
+    if direct_timing is not None:
+        direct, proxied = together(diagnose(direct_timing, thresholds), proxied)
     if args.json:
         result: dict[str, Any] = proxied.as_dict()
         if direct is not None:
