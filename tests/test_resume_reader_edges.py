@@ -393,3 +393,15 @@ async def test_a_resume_refused_with_a_date_waits_until_it():
     # The date is whole seconds, so the wait is 1 to 2 s: at least 1, not the backoff's
     # milliseconds that a date taken as absent leaves.
     assert time.monotonic() - started >= 0.9
+
+
+async def test_an_id_in_a_block_without_data_is_the_one_resumed_after():
+    # The standard sets the last event ID string at every blank line, before it looks for
+    # data: an EventSource resumes after ``7`` here, though no event carried it.
+    heads: list[bytes] = []
+    first = HEAD + b"id: 5\ndata: x\n\nid: 7\n\n"
+    async with raw_server(closing(first), heads) as (url, _):
+        reader = ResumingReader(url, backoff=FAST)
+        assert await read_all(reader) == ["message"]
+    assert reader.finished and reader.last_event_id == "7"
+    assert [last_event_id(head) for head in heads] == [None, b"7"]

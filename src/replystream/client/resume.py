@@ -125,7 +125,8 @@ class ResumingReader:
     """Reads one reply to its end across reconnects.
 
     Attributes after (or during) a read: ``reply_id``, ``last_event_id`` (the standard's
-    last event ID string: the last ``id`` read, ``""`` before any), ``reconnects``.
+    last event ID string: the last ``id`` read, with its event or in a block of its own,
+    ``""`` before any), ``reconnects``.
     """
 
     def __init__(
@@ -293,6 +294,13 @@ class ResumingReader:
                     yield event
                     if self.finished:
                         return
+                # A block with an id and no data sets the last event ID string too (the
+                # standard's dispatch sets it at every blank line, before it looks at the
+                # data): a resume starts after it, though no event came with it.
+                if (dispatched := parser.last_event_id) != previous_id:
+                    previous_id = dispatched
+                    if not self._seen(dispatched, resumed_after):
+                        self.last_event_id = dispatched
 
     def _seen(self, event_id: str, resumed_after: str | None) -> bool:
         """Whether the event of this id (its own) was read before: it is the event resumed
