@@ -114,3 +114,24 @@ async def test_a_bursty_app_behind_a_bursty_proxy_is_the_app_to_fix():
         code, result = await doctor(argv)
     assert code == 1
     assert "the app itself is already bursty" in str(result["comparison"])
+
+
+def rate_limited_app() -> web.Application:
+    """Refuses every request as OpenAI's API does when a key is over its limit."""
+
+    async def refuse(request: web.Request) -> web.Response:
+        error = {"message": "Rate limit reached", "type": "requests", "code": "rate_limit"}
+        return web.json_response({"error": error}, status=429, headers={"Retry-After": "20"})
+
+    app = web.Application()
+    app.router.add_post(ROUTE, refuse)
+    return app
+
+
+async def test_a_refused_request_is_failed_with_the_wait_the_server_asked_for():
+    async with running(rate_limited_app()) as url:
+        code, result = await doctor([url + ROUTE])
+    assert code == 1 and result["verdict"] == "failed"
+    assert "HTTP 429: rate_limit: Rate limit reached" in str(result["reason"])
+    headers = result["headers"]
+    assert isinstance(headers, dict) and headers["retry-after"] == "20"

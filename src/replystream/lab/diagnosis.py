@@ -56,6 +56,9 @@ HEADERS = (
     "transfer-encoding",
     "server",
     "via",  # a hop that leaves the app's Server header names itself here (Varnish does)
+    # Not about holding: a refusal's (429, 503) wait, which a failed verdict leaves the
+    # user to act on (the reason quotes the body, which seldom says when to ask again).
+    "retry-after",
 )
 
 _PAGE_SIZES = (4096, 8192)
