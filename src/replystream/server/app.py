@@ -47,6 +47,7 @@ from replystream.server.anthropic_api import add_anthropic_routes
 from replystream.server.auth import KEY_RING, KeyRing, api_key_check
 from replystream.server.browser_guard import stamp_response
 from replystream.server.buffered import Whole
+from replystream.server.cancels import cancel
 from replystream.server.context import (
     CONFIG_KEY,
     ENGINE_KEY,
@@ -245,17 +246,17 @@ async def handle_resume(request: web.Request) -> web.StreamResponse:
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:
     """``POST /v1/replies/{id}/cancel``: stop generating a reply (on whichever replica). A
-    reply that has ended already is left as it ended, and the answer says no cancel was
-    asked for (a client told ``true`` would take its reply for cancelled)."""
-    reply_id, store, _, _ = await find_reply(request, request.match_info["reply_id"])
+    reply that has ended already, or whose own end the cancel met, is left as it ended, and
+    the answer says no cancel was asked for (a client told ``true`` would take its reply for
+    cancelled)."""
+    reply_id, store, local, _ = await find_reply(request, request.match_info["reply_id"])
     try:
-        tail = await store.tail(reply_id)
-        running = tail is not None and not tail.ended
-        if running:
-            await store.request_cancel(reply_id)  # the store reaches the producer, here or not
+        # Answered once its ending is known: a reply whose end met the cancel ended as it
+        # would have, and is told so.
+        stopped = await cancel(store, reply_id, local)
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
-    return web.json_response({"reply_id": reply_id, "cancel_requested": running})
+    return web.json_response({"reply_id": reply_id, "cancel_requested": stopped})
 
 
 async def handle_metrics(request: web.Request) -> web.StreamResponse:

@@ -25,7 +25,6 @@ must not know how tokens are made or how events are framed.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import replace
 from typing import Any
@@ -37,11 +36,7 @@ from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.openai_formats import logprob_entries
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.replay import (
-    ReplayStore,
-    StoreUnavailable,
-    entries_bytes,
-)
+from replystream.delivery.replay import StoreUnavailable
 from replystream.delivery.responses_format import ResponsesStreamFormat
 from replystream.delivery.responses_log import (
     DIALECT,
@@ -61,6 +56,7 @@ from replystream.server import ids
 from replystream.server.access_log import ACCOUNT, REPLY_ID
 from replystream.server.accounts import ObjectRead
 from replystream.server.buffered import WHOLE_REPLY, Whole
+from replystream.server.cancels import CANCEL_WAIT_S, until_ended
 from replystream.server.context import (
     CONFIG_KEY,
     buffered,
@@ -99,10 +95,6 @@ from replystream.server.resume_points import check_resume_point, resume_after
 from replystream.server.schema_fields import SamplingFields
 from replystream.server.validation import parse_mapping, read_model
 
-# How long a cancel waits for the response's ending before it answers with its state then
-# (another replica's producer hears of the cancel at its next heartbeat, within a second).
-CANCEL_WAIT_S = 5.0
-ENDING_POLL_S = 1.0  # how long one read of a response's log may wait for more
 # ``starting_after`` is a sequence number, from 0; the log's ids (``Last-Event-ID``) from 1.
 SEQUENCE_BELOW_ID = {"starting_after": 1}
 
@@ -264,35 +256,10 @@ async def _await_end(reply: Reply) -> web.Response:
     The waiting request is its reader: if the client leaves, the response stops."""
     reply.reader_joined()
     try:
-        await _until_ended(reply.store, reply.reply_id)
+        await until_ended(reply.store, reply.reply_id)
     finally:
         reply.reader_left("client_gone")  # after the end, this only lets go of the log
     return await response_body(reply.store, reply.reply_id)
-
-
-async def _until_ended(store: ReplayStore, reply_id: str, within_s: float | None = None) -> None:
-    """Wait until a reply's log has its ending (or its producer is gone); with ``within_s``,
-    no read begins after that many seconds. A read under way then is let finish rather than
-    cut: one that found its producer's liveness key gone is making sure it died (its
-    heartbeat count still, ``BEAT_CONFIRM_S``), and cut, that would begin again for the
-    answer. Raises ``StoreUnavailable``."""
-    loop = asyncio.get_running_loop()
-    deadline = None if within_s is None else loop.time() + within_s
-    cursor = store.cursor(reply_id, 0)
-    try:
-        while True:
-            wait_s = ENDING_POLL_S
-            if deadline is not None:
-                wait_s = min(wait_s, deadline - loop.time())
-                if wait_s <= 0:
-                    return
-            result = await cursor.read(wait_s)
-            if result is None or result.ending is not None or result.producer_lost:
-                return
-            if result.entries:
-                cursor.sent(result.entries[-1].seq, entries_bytes(result.entries))
-    finally:
-        cursor.close()
 
 
 async def _whole(
@@ -445,7 +412,7 @@ async def handle_cancel(request: web.Request) -> web.StreamResponse:
         await store.request_cancel(reply_id)  # reaches the producer, on whichever replica
         # Answer with the ending once the producer has written it; one whose producer died
         # is answered as soon as that is known (``failed``, ``generator_lost``), as a GET is.
-        await _until_ended(store, reply_id, CANCEL_WAIT_S)
+        await until_ended(store, reply_id, CANCEL_WAIT_S)
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     return await response_body(store, reply_id)
