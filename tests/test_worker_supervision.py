@@ -446,6 +446,39 @@ async def test_a_stop_signalled_to_the_whole_group_stops_the_workers_gracefully(
     assert status == 0, stderr
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("keys_file", [True, False])
+async def test_a_hangup_while_the_server_stops_does_not_kill_it(
+    tmp_path: Path, workers: str, keys_file: bool
+):
+    """A SIGHUP as the server stops (a key rotation's reload sent during a deploy's stop, a
+    terminal closed after its Ctrl-C) reaches the parent and every worker. One that landed as
+    a process's loop closed, or as the parent exited, killed it: the parent reported the
+    worker's replies cut and exited 1, or was itself killed by SIGHUP (status -1)."""
+    args = [*SIMULATED, "--workers", workers, "--shutdown-grace-s", "1"]
+    if keys_file:
+        keys = tmp_path / "keys"
+        keys.write_text("key-a\n")
+        args += ["--api-keys-file", str(keys)]
+    async with parent(*args) as process:
+        await ready_url(process)
+        processes = [process.pid, *children_of(process.pid)]
+        assert len(processes) == (1 if workers == "1" else 3)
+        os.kill(process.pid, signal.SIGTERM)
+        while process.returncode is None and any(alive(pid) for pid in processes):
+            for pid in processes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGHUP)
+            await asyncio.sleep(0.005)
+        assert process.stderr is not None
+        async with asyncio.timeout(30):
+            stderr = (await process.stderr.read()).decode()
+            status = await process.wait()
+    assert "replies were cut" not in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+    assert status == 0, stderr
+
+
 async def test_workers_killed_again_and_again_leave_their_counts_and_few_files(tmp_path: Path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     async with parent(*SIMULATED, "--workers", "2", env=env) as process:

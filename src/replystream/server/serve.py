@@ -220,21 +220,24 @@ async def serve_forever(
         else:
             await _until_stopped_or_orphaned(stop, parent_pid)
         await server.shutdown(grace_s)
+    # Closing the loop would give each signal it handles its default back, the end of the
+    # process, and one landing then would kill a server that stopped gracefully (a worker's
+    # parent reports that as replies cut). A stopped server has no file to read again and
+    # nothing left to stop, so it ignores SIGHUP (a reload sent as it stops, a terminal
+    # closed after its Ctrl-C); a worker also the stop, which it is sent twice: by its
+    # parent, and by whoever signalled the whole group (a terminal's Ctrl-C, systemd's
+    # SIGTERM). (Held back while handlers change: removing the loop's gives the default back
+    # for a moment, and one landing then would be that death; ignored, a held one is dropped.)
+    stops = {signal.SIGHUP}
     if parent_pid is not None:
-        # A worker is sent the stop twice: by its parent, and by whoever signalled the whole
-        # group (a terminal's Ctrl-C, systemd's SIGTERM). Closing the loop would give each
-        # signal its default back, and one landing then would kill a worker that stopped
-        # gracefully, which its parent reports as replies cut. Stopped, it ignores them.
-        # (Held back while handlers change: removing the loop's gives the default back for a
-        # moment, and one landing then would be that death; ignored, a held one is dropped.)
-        stops = {signal.SIGINT, signal.SIGTERM}
-        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-        try:
-            for sig in stops:
-                loop.remove_signal_handler(sig)
-                signal.signal(sig, signal.SIG_IGN)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+        stops |= {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    try:
+        for sig in stops:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
 
 
 async def _until_stopped_or_orphaned(stop: asyncio.Event, parent_pid: int) -> None:

@@ -238,6 +238,11 @@ class Supervisor:
                 for slot in self._slots:
                     if slot.restart_at is not None and slot.restart_at <= now:
                         self._start(slot, again=True)
+            # Every worker is gone: a signal now has nothing to stop, forward or read again,
+            # and as the interpreter exits it gives each handled signal its default back, so
+            # one landing then (a reload sent as the server stops) would kill the parent.
+            for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, signal.SIG_IGN)
         finally:
             for slot in self._slots:
                 self._close_pipe(slot)
