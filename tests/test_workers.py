@@ -225,3 +225,48 @@ async def test_every_worker_down_at_once_is_said_and_so_is_the_first_back():
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         await stop(process)
+
+
+async def test_a_worker_stopped_alone_takes_no_new_connection_while_it_drains():
+    """A SIGTERM sent to one worker: it stops listening and finishes its replies, while the
+    others take every new connection. The parent kept its own copy of the worker's socket
+    open, so the kernel went on queueing about half the new connections to a socket nobody
+    accepted from, each waiting out the worker's whole drain."""
+    process = await launch(
+        *("--engine", "simulated", "--tokens", "1000", "--delay-ms", "20", "--workers", "2"),
+        *("--shutdown-grace-s", "60"),
+        stderr=asyncio.subprocess.PIPE,
+    )
+    streams = []
+    try:
+        url = await ready_url(process)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        workers = children_of(process.pid)
+        before = {pid: sockets_of(pid) for pid in workers}
+        body = b'{"prompt": "x"}'
+        ask = b"POST /v1/replies HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (
+            len(body),
+            body,
+        )
+        for _ in range(12):  # replies under way on both workers, most likely
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(ask)
+            await reader.readuntil(b"event: token")
+            streams.append(writer)
+        taken = {pid: sockets_of(pid) - before[pid] for pid in workers}
+        draining = max(taken, key=lambda pid: taken[pid])
+        os.kill(draining, signal.SIGTERM)
+        assert process.stderr is not None
+        async with asyncio.timeout(30):  # its drain has begun: it no longer listens
+            while b"shutting down" not in await process.stderr.readline():
+                pass
+        for _ in range(20):
+            async with asyncio.timeout(5):  # the drain lasts a minute
+                answer = await raw_request(f"{url}/healthz")
+                assert answer.status == 200
+                await answer.read_body()
+        assert alive(draining)  # still draining: the others answered every one
+    finally:
+        for writer in streams:
+            writer.close()
+        await stop(process)

@@ -6,8 +6,8 @@ parent opens for it and hands it (``--listen-fd``): the kernel spreads new conne
 over the workers. (On one shared socket, whichever worker woke first took every connection
 queued, a burst of 40 all on one of four workers.) The parent holds the port with a socket
 that does not listen, so it stays the server's while every worker restarts; a worker's socket
-is closed when the worker exits, so new connections go to the others until its replacement,
-on a new socket, is started.
+is closed when the worker closes it (as it begins to stop) or exits, so new connections go to
+the others until its replacement, on a new socket, is started.
 
 This file decides when the server says it is listening (once every worker accepts
 connections), how soon a worker that exited is started again, and how the workers are
@@ -164,7 +164,7 @@ class Slot:
 
     backoff: RestartBackoff = field(default_factory=RestartBackoff)
     process: subprocess.Popen[bytes] | None = None
-    listening: socket.socket | None = None  # the parent's copy of its worker's socket
+    listening: socket.socket | None = None  # the parent's copy of its worker's socket, until ready
     ready_pipe: int | None = None  # our end, until the worker said it is ready or died
     serving_since: float | None = None  # when it said it is ready (monotonic)
     restart_at: float | None = None
@@ -315,6 +315,11 @@ class Supervisor:
             self._close_pipe(slot)
             if said == READY_BYTE:
                 slot.serving_since = time.monotonic()
+                # It listens on its own copy now. Ours would keep its socket open once it
+                # closes it, as it does when it begins to stop (a SIGTERM sent to it alone):
+                # the kernel would go on queueing it new connections that nobody accepts
+                # for the whole of its drain, instead of handing them to the others.
+                self._stop_listening(slot)
                 if self._announced and slot.process is not None:  # after a restart: recovered
                     log.warning("worker %d is ready, in place of one that exited", slot.process.pid)
                     if self._none_serving:
