@@ -185,7 +185,8 @@ async def serve_forever(
     ``on_hangup``, a SIGHUP calls it (and one that came while the server started, once it
     serves); else it stops the server as SIGTERM does (a terminal closed, or a reload asked
     of a server with nothing to read again, must not cut its replies without a word). A
-    second SIGINT or SIGTERM while it stops ends the grace at once (not in a worker)."""
+    second SIGINT or SIGTERM while it stops ends the grace at once (not in a worker). Once
+    stopped, the process ignores SIGHUP (a worker, SIGINT and SIGTERM too): it is about to exit."""
     stop = asyncio.Event()
     running: list[RunningServer] = []  # the server, once it serves
 
