@@ -26,7 +26,7 @@ from replystream.delivery.moderation import BannedPhrases, Check, RegexCheck, se
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import MemoryReplayStore, ReplayStore
 from replystream.engine.base import Engine
-from replystream.server import engine_options
+from replystream.server import engine_options, log_sink
 from replystream.server.api_keys import collect_keys
 from replystream.server.guard_config import GuardConfig
 from replystream.server.listening import REFUSED_EXIT, bind_socket, listening_lines
@@ -209,12 +209,15 @@ def check_worker_descriptors(args: argparse.Namespace) -> None:
             )
 
 
+def refuse(exc: Exception) -> None:
+    """Say why the server does not start, in one line after what it logged before."""
+    log_sink.drain()
+    print(f"replystream serve: {exc}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    # Written by a thread: a stderr nobody reads must not stop the server (``log_sink``).
+    log_sink.install(args.log_level)
     try:
         refuse_foreign_metrics_dir(args)
         check_worker_descriptors(args)
@@ -300,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
             sock = listen(args.host, args.port)
         engine = build_engine(args)
     except (ValueError, OSError) as exc:
-        print(f"replystream serve: {exc}", file=sys.stderr)
+        refuse(exc)
         return REFUSED_EXIT
     # The server's modules load once the command line is known to be sound: a mistake in it
     # is told before aiohttp, the app and its schemas load (and the engine's, before the
@@ -312,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = create_app(engine, config, store)
     except OSError as exc:  # a worker's metric files (``metric_files``): its filesystem full
-        print(f"replystream serve: {exc}", file=sys.stderr)
+        refuse(exc)
         return REFUSED_EXIT
     rereads = None
     if reloads:

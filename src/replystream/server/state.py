@@ -17,6 +17,7 @@ from aiohttp import web
 
 from replystream.delivery.replay import ReplayStore
 from replystream.engine.base import ATTEMPT_RESULTS, BackendStats, Engine, EngineStats
+from replystream.server import log_sink
 from replystream.server.context import (
     ENGINE_KEY,
     LOCAL_STORE_KEY,
@@ -56,6 +57,12 @@ def add_state_gauges(app: web.Application) -> None:
     manager = app[MANAGER_KEY]
     metrics.state("replystream_open_tasks", "asyncio tasks alive in this process.", open_tasks)
     metrics.state("replystream_open_fds", "File descriptors open in this process.", open_fds)
+    metrics.state(
+        "replystream_log_lines_dropped",
+        "Log lines dropped because stderr was not read as fast as they came, since start.",
+        lambda: log_sink.dropped_lines(),
+        across="sum",
+    )
     metrics.state(
         "replystream_replies_in_flight",
         "Replies being produced or collected (streamed and buffered).",

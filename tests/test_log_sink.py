@@ -1,0 +1,110 @@
+"""A stderr nobody reads (a stuck log collector) does not stop the server: its log lines are
+written by a thread of their own, and past a bound dropped, counted and said."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from replystream.server.log_sink import ThreadedLineHandler
+
+
+def test_a_stderr_nobody_reads_stops_no_stream_and_no_request() -> None:
+    """The access-log line of each request was written to stderr in the event loop's
+    thread: once the pipe's 64 KiB were full (the 272nd request), the loop waited in that
+    write, and every stream, request and signal of the server with it."""
+    command = (
+        sys.executable, "-m", "replystream", "serve", "--engine", "simulated", "--port", "0",
+        "--log-level", "INFO", "--delay-ms", "20", "--tokens", "100000",
+    )  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,  # never read until the end
+    )
+    try:
+        assert process.stdout is not None
+        found = re.search(r"listening on http://([\d.]+):(\d+)", process.stdout.readline().decode())
+        assert found is not None
+        host, port = found.group(1), int(found.group(2))
+        stream = socket.create_connection((host, port))
+        stream.sendall(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        stream.settimeout(5)
+        received = [0]
+
+        def read_stream() -> None:
+            with contextlib.suppress(OSError):  # closed at the end
+                while chunk := stream.recv(65536):
+                    received[0] += len(chunk)
+
+        reader = threading.Thread(target=read_stream, daemon=True)
+        reader.start()
+        requests = http.client.HTTPConnection(host, port, timeout=5)
+        for _ in range(600):  # an access-log line each: about three pipes' worth
+            requests.request("GET", "/healthz?" + "x" * 200)
+            assert requests.getresponse().read()
+        requests.request("GET", "/metrics")
+        metrics = requests.getresponse().read().decode()
+        assert re.search(r"^replystream_log_lines_dropped 0(\.0)?$", metrics, re.M), metrics
+        before = received[0]
+        time.sleep(1)  # 50 tokens' time
+        assert received[0] > before, "the stream stopped"
+        requests.close()
+        stream.shutdown(socket.SHUT_RDWR)
+        reader.join()
+        stream.close()
+        started = time.monotonic()  # a stop whose last lines nobody reads is not held up
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=20)
+        assert time.monotonic() - started < 10
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pipe in (process.stdout, process.stderr):
+            assert pipe is not None
+            pipe.close()
+
+
+def test_lines_past_the_bound_are_dropped_counted_and_said() -> None:
+    read_end, write_end = os.pipe()
+    handler = ThreadedLineHandler(write_end, max_pending_bytes=4096)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log = logging.getLogger("replystream.tests.log_sink")
+    log.propagate = False
+    log.addHandler(handler)
+    try:
+        line = "x" * 100
+        started = time.monotonic()
+        for _ in range(5000):  # 500 KB: the pipe's 64 KiB, the queue's 4 KiB, and drops
+            log.warning(line)
+        assert time.monotonic() - started < 5, "logging waited for the reader"
+        assert handler.dropped_lines > 4000
+        os.set_blocking(read_end, False)
+        written = b""
+        deadline = time.monotonic() + 10
+        while b"dropped" not in written and time.monotonic() < deadline:
+            try:
+                written += os.read(read_end, 1 << 20)
+            except BlockingIOError:
+                time.sleep(0.01)
+        log.warning("after")  # the reader is back: a line now is written
+        handler.drain()
+        written += os.read(read_end, 1 << 20)
+        # Said once per write that follows a gap, as many as that gap dropped.
+        said = re.findall(rb"WARNING (\d+) log lines dropped: stderr was not read", written)
+        assert sum(int(count) for count in said) == handler.dropped_lines
+        assert written.endswith(b"WARNING after\n")
+    finally:
+        log.removeHandler(handler)
+        os.close(read_end)
+        os.close(write_end)
