@@ -4,6 +4,7 @@ descriptor left for an upstream connection says so, and takes no upstream out fo
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import resource
@@ -16,6 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from replystream.server.pages import WEB_DIR
 
 
 def limited(most: int) -> None:
@@ -209,3 +212,32 @@ def test_a_stdout_on_a_full_disk_is_told_in_a_line_and_the_server_serves(
         "serving, but stdout cannot be written (the address was not printed): "
         "no space left on device"
     ), lines
+
+
+def test_out_of_file_descriptors_the_chat_pages_assets_are_still_served() -> None:
+    """Each asset was opened per request (``FileResponse``): with no descriptor left it was
+    a 404 with an empty body, nothing logged, the chat page broken for a file it ships."""
+    process, url = started(("--engine", "simulated", "--delay-ms", "50"), most=40)
+    host, port = url.removeprefix("http://").split(":")
+    kept = http.client.HTTPConnection(host, int(port), timeout=10)  # accepted while there is room
+    clients: list[socket.socket] = []
+    try:
+        kept.request("GET", "/healthz")
+        assert kept.getresponse().read()
+        for _ in range(60):  # more than the server may open: it opens all it can
+            client = socket.create_connection((host, int(port)))
+            client.sendall(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            clients.append(client)
+        time.sleep(1.5)  # accepting has paused
+        for name in ("app.js", "style.css"):
+            kept.request("GET", f"/static/{name}")
+            response = kept.getresponse()
+            body = response.read()
+            assert response.status == 200, (name, response.status, body)
+            assert body == (WEB_DIR / "static" / name).read_bytes()
+    finally:
+        kept.close()
+        for client in clients:
+            client.close()
+        process.terminate()
+        process.communicate(timeout=30)

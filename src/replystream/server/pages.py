@@ -1,14 +1,15 @@
 """The chat pages: ``/`` (the chat), ``/eventsource.html`` and their assets under ``/static/``.
 
 The files live in the ``replystream.web`` package and are served as they are: no build step.
-Only files present when the application is created are served, looked up by name in a table,
-so no request path ever reaches the filesystem. Every answer carries ``Cache-Control:
-no-cache`` (revalidate with the ETag each time), so an upgraded package is never mixed with
-a stale cached module, and ``X-Content-Type-Options: nosniff``. The pages carry a content
-security policy that lets them run only this server's own scripts and styles and talk only
-to it, and no other site frame them: a reply is model text, shown as text, and were a page
-ever to insert some as markup, the policy would still refuse the scripts it runs and the
-requests it makes (to send the API key the settings keep elsewhere, say).
+Only files present when the application is created are served, read then and kept in memory
+(about 70 KB), looked up by name in a table, so no request path ever reaches the filesystem
+and no request needs a file descriptor or a worker thread of its own. Every answer carries
+``Cache-Control: no-cache`` (revalidate with the ETag each time), so an upgraded package is
+never mixed with a stale cached module, and ``X-Content-Type-Options: nosniff``. The pages
+carry a content security policy that lets them run only this server's own scripts and styles
+and talk only to it, and no other site frame them: a reply is model text, shown as text, and
+were a page ever to insert some as markup, the policy would still refuse the scripts it runs
+and the requests it makes (to send the API key the settings keep elsewhere, say).
 
 The chat page's delivery fields say, empty, what the server does when a request leaves them
 out: the page is rendered once, as the application is made, with this server's defaults in
@@ -99,33 +100,23 @@ def _headers(path: Path) -> dict[str, str]:
     return headers
 
 
-def _file_handler(path: Path) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    headers = _headers(path)
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        return web.FileResponse(path, headers=headers)
-
-    return handle
-
-
-def _rendered_handler(
-    path: Path, text: str
+def _held_handler(
+    path: Path, body: bytes
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    """Serve ``text`` (the page at ``path`` rendered) as ``FileResponse`` serves a file:
-    with a strong ETag, a ``304`` to a request that holds it, and never compressed."""
-    body = text.encode()
+    """Serve ``body`` (the file at ``path``, or the page there rendered) from memory as
+    ``FileResponse`` serves a file: with a strong ETag, a ``304`` to a request that holds it,
+    and never compressed. Read once, as the application is made: a file opened per request
+    (``FileResponse``, in a worker thread) was a ``404`` with no body and no log line for a
+    process out of file descriptors, and waited behind whatever else held the threads."""
     etag = hashlib.sha256(body).hexdigest()[:32]
     headers = _headers(path)
-    del headers["Content-Type"]  # web.Response sets it from content_type and charset
 
     async def handle(request: web.Request) -> web.StreamResponse:
         held = request.if_none_match or ()
         if any(tag.value in (etag, "*") for tag in held):
             response = web.Response(status=304, headers=headers)
         else:
-            response = web.Response(
-                body=body, content_type="text/html", charset="utf-8", headers=headers
-            )
+            response = web.Response(body=body, headers=headers)
         response.etag = etag
         response[AS_IS] = True
         return response
@@ -141,13 +132,15 @@ def add_page_routes(app: web.Application, policy: DeliveryPolicy) -> None:
         if name == "index.html":
             page = render_placeholders(path.read_text("utf-8"), delivery_placeholders(policy))
             page = render_keepalive(page, policy)
-            handler = _rendered_handler(path, page)
+            handler = _held_handler(path, page.encode())
         else:
-            handler = _file_handler(path)
+            handler = _held_handler(path, path.read_bytes())
         app.router.add_get(route, handler, expect_handler=expect_later)
     static = WEB_DIR / "static"
     for path in sorted(static.iterdir()):
         if path.is_file() and path.suffix in CONTENT_TYPES:
             app.router.add_get(
-                f"/static/{path.name}", _file_handler(path), expect_handler=expect_later
+                f"/static/{path.name}",
+                _held_handler(path, path.read_bytes()),
+                expect_handler=expect_later,
             )
