@@ -66,7 +66,7 @@ from replystream.server.context import (
 from replystream.server.embeddings_api import add_embeddings_route
 from replystream.server.errors import HTTPAPIError, retry_after_value
 from replystream.server.front_door import FrontDoor, add_unrouted, expect_later, front_door
-from replystream.server.guard import GATE_KEY, GUARD_KEY, ClientGate
+from replystream.server.guard import BODY_ROOM_KEY, GATE_KEY, GUARD_KEY, BodyRoom, ClientGate
 from replystream.server.metrics import Metrics
 from replystream.server.native import parse_reply_request
 from replystream.server.native_schemas import ReplyBody
@@ -306,6 +306,7 @@ def create_app(
     )
     app = web.Application(middlewares=[front_door(door)], client_max_size=config.max_body_bytes)
     app[GUARD_KEY] = guard
+    app[BODY_ROOM_KEY] = BodyRoom(guard.max_reading_bytes)
     app[GATE_KEY] = door.gate
     if ring is not None:
         app[KEY_RING] = ring

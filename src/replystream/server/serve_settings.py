@@ -192,6 +192,14 @@ CLIENT_LIMITS = Group(
             fills=(GuardConfig, "body_timeout_s"),
         ),
         Setting(
+            "--max-reading-bytes",
+            "request-body bytes read at once over every connection (each body still arriving "
+            "counted at its Content-Length, or at --max-body-bytes when chunked), so that "
+            "many slow uploads cannot take the process's memory; more get 503 with Retry-After",
+            non_negative_int,
+            fills=(GuardConfig, "max_reading_bytes"),
+        ),
+        Setting(
             "--max-header-bytes",
             "longest request line or header field",
             # aiohttp's parser takes this as a C size: past 2**64 it drops every connection
