@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from redis.asyncio import Redis
 
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
@@ -123,3 +124,38 @@ async def test_the_channel_is_heard_again_after_the_primary_fails_over(tmp_path:
         finally:
             await producer.aclose()
             await other.aclose()
+
+
+async def test_a_channel_the_acl_refuses_is_told_once_not_every_beat(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A user whose ACL leaves out the channel: Redis refuses the SUBSCRIBE, an answer that
+    # comes as the listener reads. It was taken as subscribed as soon as it was sent, so each
+    # second's try logged "succeeds again", then the refusal: two lines a second for ever.
+    admin = Redis(port=server.port)
+    await admin.acl_setuser(
+        "narrow",
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        channels=["other:*"],
+        commands=["+@all"],
+    )
+    await admin.aclose()
+    store = RedisReplayStore(f"redis://narrow:pw@127.0.0.1:{server.port}/0")
+    stopped: list[str] = []
+    store.on_cancel(stopped.append)
+    try:
+        await store.create(ReplyInfo("quiet"))
+        await asyncio.sleep(4.5)  # four tries of the listener
+        assert not store.cancels.listening.is_set()
+        # The cancel still comes, by its key, at the next beat.
+        await store.redis.set(store.keys.key("quiet", ":cancel"), b"1", ex=10)
+        async with asyncio.timeout(5):
+            while not stopped:  # noqa: ASYNC110  (the heartbeat reads the key)
+                await asyncio.sleep(0.02)
+    finally:
+        await store.aclose()
+    told = [r.getMessage() for r in caplog.records if "listening for cancels" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "no permissions to access one of the channels" in told[0], told

@@ -62,14 +62,21 @@ class CancelChannel:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _listen(self) -> None:
-        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        pubsub = self._redis.pubsub()
         try:
             await pubsub.subscribe(self.channel)
-            self._outage.succeeded()
-            self.listening.set()
             while True:
                 message = await pubsub.get_message(timeout=_WAIT_S)
-                if message is None or message.get("type") != "message":
+                if message is None:
+                    continue
+                if message.get("type") == "subscribe":
+                    # Subscribed only once Redis confirms it: a refusal (an ACL without the
+                    # channel, SUBSCRIBE disabled) is an error read here instead, and the
+                    # listener's tries would each be told as a success, then a failure.
+                    self._outage.succeeded()
+                    self.listening.set()
+                    continue
+                if message.get("type") != "message":
                     continue
                 data = message.get("data")
                 if isinstance(data, bytes):
