@@ -47,6 +47,17 @@ def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]
         admin.acl_setuser(
             "carol", enabled=True, passwords=["+carolpw"], keys=["other:*"], commands=["+@all"]
         )
+        # Users given EVALSHA but not what the store sends beside it: SCRIPT LOAD (a script
+        # Redis lacks, after its restart, is loaded first) and EVAL (a repair's script).
+        for user, refused in (("erin", "-script"), ("frank", "-eval")):
+            admin.acl_setuser(
+                user,
+                enabled=True,
+                passwords=[f"+{user}pw"],
+                keys=["*"],
+                channels=["*"],
+                commands=["+@all", refused],
+            )
         admin.config_set("requirepass", "defaultpw")  # NOAUTH without a password
         admin.close()
         yield server
@@ -65,6 +76,8 @@ def serve(url: str) -> subprocess.CompletedProcess[str]:
         ("", 0, "authenticated"),  # NOAUTH
         ("bob:bobpw@", 0, "no permissions to run the 'evalsha' command"),
         ("carol:carolpw@", 0, "no permissions to access one of the keys"),
+        ("erin:erinpw@", 0, "no permissions to run the 'script|load' command"),
+        ("frank:frankpw@", 0, "no permissions to run the 'eval' command"),
         (f"alice:{QUOTED}@", 99, "DB index is out of range"),
     ],
 )
@@ -80,6 +93,20 @@ def test_a_redis_that_refuses_the_stores_commands_stops_start_up_in_one_line(
     assert lines[0].startswith(f"replystream serve: --redis-url: {where}"), lines[0]
     assert says in lines[0], lines[0]
     assert "pw" not in lines[0] and "s3cr" not in lines[0]
+
+
+def test_a_redis_without_script_load_stops_start_up_in_one_line(tmp_path: Path):
+    # A managed Redis may rename or disable commands. Without SCRIPT the server started (its
+    # check asked only EVALSHA), and then refused every resumable reply with a 503 quoting
+    # its write script's source, as Redis echoed the refused SCRIPT LOAD.
+    with redis_server(tmp_path, "--rename-command", "SCRIPT", "") as server:
+        done = serve(f"redis://127.0.0.1:{server.port}/0")
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "refuses this server's commands: unknown command 'SCRIPT'" in lines[0], lines[0]
+    assert "cjson" not in lines[0], lines[0]
 
 
 async def test_a_user_the_redis_takes_serves_its_database(acl_redis: RedisServer):

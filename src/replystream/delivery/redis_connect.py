@@ -473,12 +473,17 @@ def connect(
     return client
 
 
+# The script first contact runs: it touches nothing (a key is named only for the ACL check).
+_PROBE = "return 0"
+
+
 async def first_contact(
     target: RedisTarget, key: str, *, connect_timeout_s: float, command_timeout_s: float
 ) -> FirstContact | None:
     """Ask Redis once, on a client of its own, whether it takes the commands the store sends:
     a connection (its password, or none, its database, its TLS certificate) and a script
-    call on ``key`` (a user allowed ``EVALSHA`` and that key). None when it takes them.
+    call on ``key`` (a user allowed ``SCRIPT LOAD``, ``EVALSHA``, ``EVAL`` and that key). None
+    when it takes them.
 
     Failing every command, a wrong password, ``NOAUTH``, a database out of range or an ACL
     user without a command or key the store uses would be retried as a failover and found by
@@ -493,8 +498,14 @@ async def first_contact(
     )
     try:
         await client.ping()
-        with contextlib.suppress(NoScriptError):  # allowed, and no such script: as expected
-            await client.evalsha("0" * 40, 1, key)  # type: ignore[no-untyped-call, unused-ignore]
+        # The store's scripts go by their digest (EVALSHA), loaded first where Redis lacks
+        # them (SCRIPT LOAD: at first use, and after a restart), and a repair sends its
+        # script whole (EVAL): a Redis that renames or disables one of them, or an ACL user
+        # without it, would refuse every write.
+        digest = await client.script_load(_PROBE)
+        with contextlib.suppress(NoScriptError):  # a Cluster node that lacks it: allowed
+            await client.evalsha(digest, 1, key)  # type: ignore[no-untyped-call, unused-ignore]
+        await client.eval(_PROBE, 1, key)  # type: ignore[no-untyped-call, unused-ignore]
     except AuthenticationError as exc:  # a ConnectionError, but a waiting one never passes
         return FirstContact(True, error_text(exc))
     except RedisConnectionError as exc:
