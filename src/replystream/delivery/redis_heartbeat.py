@@ -148,8 +148,10 @@ class Heartbeat:
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             self._marks_outage.failed(exc)
+            self._link.write_failed(exc)
             return
         self._marks_outage.succeeded()
+        self._link.write_taken()
 
     async def _unmark(self, replies: list[str]) -> None:
         """Take away the marks of replies no reader here follows any more (a mark Redis
@@ -176,8 +178,10 @@ class Heartbeat:
         failure = next((exc for exc in failures if exc is not None), None)
         if failure is None:
             self._refresh_outage.succeeded()
+            self._link.write_taken()
         else:
             self._refresh_outage.failed(failure)
+            self._link.write_failed(failure)
 
     async def _beat(self, replies: list[str], written: dict[str, int] | None) -> Exception | None:
         """One slot group's beat; why it failed, if it did."""

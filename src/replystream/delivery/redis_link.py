@@ -86,6 +86,9 @@ class RedisLink:
         # and what must follow a change, whichever caller finds it (the writer's repair).
         self._servers: frozenset[str] | None = None
         self.on_replaced: Callable[[], None] | None = None
+        # Since when this process's heartbeat writes fail while it sends them, when one last
+        # failed, and why (None: the last one was taken).
+        self._writes_failing: tuple[float, float, BaseException] | None = None
 
     def unavailable(self, why: object) -> StoreUnavailable:
         """What a caller is told when Redis cannot be reached."""
@@ -120,6 +123,38 @@ class RedisLink:
     def recovered(self) -> None:
         """Redis answered again after failing."""
         self._troubled_at = time.monotonic()
+
+    def write_failed(self, why: BaseException) -> None:
+        """A heartbeat's write (a liveness refresh, a reader's mark) failed."""
+        now = time.monotonic()
+        since = now if self._writes_failing is None else self._writes_failing[0]
+        self._writes_failing = (since, now, why)
+
+    def write_taken(self) -> None:
+        """A heartbeat's write was taken."""
+        self._writes_failing = None
+
+    def refusing_writes(self) -> bool:
+        """Whether Redis refuses or holds back this process's writes now while it answers
+        reads (full under ``noeviction``, ``CLIENT PAUSE WRITE`` in a failover): every
+        producer's heartbeat then fails as its own do, so a reply's liveness key gone and its
+        heartbeat count still do not tell its producer died.
+        Writes fail only while some are sent (a beat's, every second while it has a reply or
+        a reader's mark to write): one that failed longer ago than two beats tells nothing.
+
+        Raises:
+            StoreUnavailable: they have failed for ``failover_s``, as a read that fails that
+                long does.
+        """
+        if self._writes_failing is None:
+            return False
+        since, last, why = self._writes_failing
+        now = time.monotonic()
+        if now - last > 2 * HEARTBEAT_S + 1:
+            return False
+        if now - since >= self.failover_s:
+            raise self.unavailable(why)
+        return True
 
     async def servers_changed(self) -> bool:
         """Whether the Redis answering is another than when last asked (never, the first

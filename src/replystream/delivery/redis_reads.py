@@ -227,7 +227,10 @@ class RemoteReads:
             if result is None or result.entries or result.lost or result.ending:
                 return result, offsets
             now = await self.redis.hget(self._keys.key(reply_id, ":meta"), "beat")
-            alive = now is not None and now != beat
+            # Still, while Redis refuses this process's writes too: its producer's beats
+            # fail as ours do, and it may well live (waited for through the failover
+            # window, then told as Redis unavailable).
+            alive = (now is not None and now != beat) or self._link.refusing_writes()
             if not alive:
                 self._remember_lost(reply_id)
         return ReadResult([], result.lost, None, producer_lost=not alive), offsets
