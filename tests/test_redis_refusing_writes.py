@@ -101,3 +101,32 @@ async def test_a_reader_told_of_a_full_redis_past_the_failover_window_not_a_lost
         finally:
             await producer.aclose()
             await reader.aclose()
+
+
+async def test_each_outage_of_the_liveness_refresh_is_told_as_it_begins(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    # The refresh's outage is told once as it begins and once as it ends; one whose last
+    # live reply ended while Redis held writes back never ended: nothing was refreshed any
+    # more to succeed. The next outage was then not told at all as it began, and its end
+    # was told as one long failure since the first.
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url)
+        admin = aioredis.Redis.from_url(server.url)
+        try:
+            for reply_id in ("first", "second"):
+                await producer.create(ReplyInfo(reply_id))
+                producer.append(reply_id, [LogEntry(1, "token", "{}")])
+                await producer.flush()
+                await admin.client_pause(2500, all=False)  # writes only
+                await asyncio.sleep(1.8)  # a beat or so fails
+                producer.end(reply_id, "finished")
+                await producer.flush()  # taken as the pause ends
+                await asyncio.sleep(2.0)  # beats with nothing live
+        finally:
+            await admin.aclose()
+            await producer.aclose()
+    told = [r.getMessage() for r in caplog.records if "liveness refresh" in r.getMessage()]
+    began = [line for line in told if "liveness refresh failed" in line]
+    assert len(began) == 2, told
+    assert len(told) == 4, told

@@ -89,9 +89,13 @@ class Heartbeat:
         live = list(self._writer.tables.live)
         if live:
             await self._refresh(live)
+        else:
+            self._refresh_outage.idle()
         reading = self._still_reading()
         if reading:
             await self._mark_read(reading)
+        else:
+            self._marks_outage.idle()
         left = [reply_id for reply_id in self._left if reply_id not in self._readers]
         self._left.clear()
         if left:

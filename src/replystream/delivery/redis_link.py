@@ -232,3 +232,15 @@ class OutageLog:
                 self._attempts,
             )
             self._since = None
+
+    def idle(self) -> None:
+        """Nothing is left to send (the replies it refreshed ended): an outage under way is
+        told to end here, unknown, so that the next one is told as it begins."""
+        if self._since is not None:
+            self._log.warning(
+                "%s has nothing left to send, after failing for %.1f s (%d attempts)",
+                self.what,
+                time.monotonic() - self._since,
+                self._attempts,
+            )
+            self._since = None
