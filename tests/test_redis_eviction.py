@@ -313,6 +313,8 @@ async def test_a_full_redis_is_told_without_the_command_it_refused(tmp_path: Pat
         for said in (str(refused.value), producer.failure("n") or ""):
             assert "command not allowed when used memory > 'maxmemory'" in said, said
             assert "pipeline" not in said and "EVAL" not in said and "INCR" not in said, said
+            # Nor which of our scripts, at which line, ran the command refused.
+            assert "user_script" not in said and "script:" not in said, said
         # A Redis that answers and refuses is not one that "cannot be reached".
         assert refused.value.describe().startswith("the reply store is unavailable: ")
         await producer.aclose()

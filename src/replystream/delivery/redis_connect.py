@@ -267,11 +267,16 @@ _SENTINEL_REPR = re.compile(
 _PIPELINE_COMMAND = re.compile(r"^Command # \d+ \(.*?\) of pipeline caused error: ", re.DOTALL)
 
 
+# How Redis ends the error of a command a script ran: which of our scripts, at which line.
+_SCRIPT_PLACE = re.compile(r"\s*script: [0-9a-f]{40}, on @user_script:\d+\.?$")
+
+
 def error_text(error: object) -> str:
     """What a Redis error says, as a log line or a client may show it: a Sentinel redis-py
     names by its client's repr is named by its address instead; the command of a pipeline
-    that failed (a script's source) is left out."""
-    said = _PIPELINE_COMMAND.sub("", str(error))
+    that failed (a script's source), and where in a script a command failed, are left
+    out."""
+    said = _SCRIPT_PLACE.sub("", _PIPELINE_COMMAND.sub("", str(error)))
     return _SENTINEL_REPR.sub(lambda m: f"Sentinel {_host(m[1])}:{m[2]}", said)
 
 
