@@ -17,6 +17,7 @@ from replystream.delivery.moderation import (
     phrases_pattern,
     secret_check,
 )
+from replystream.engine.base import TokenLogprob, TopLogprob
 
 
 def run_holdback(tokens: list[str], window: int, phrases: list[str]) -> tuple[str, HoldBack]:
@@ -100,6 +101,7 @@ class CountingCheck:
     """A check that finds nothing and counts the characters it was asked to read."""
 
     name = "counting"
+    revision = 0
 
     def __init__(self, context_chars: int) -> None:
         self.context_chars = context_chars
@@ -317,6 +319,60 @@ def test_banned_phrases_case_sensitivity_and_blank_lists():
     assert BannedPhrases(["Foo"], case_sensitive=True).find("a foo b") is None
     with pytest.raises(ValueError):
         BannedPhrases(["  "])
+
+
+def test_phrases_replaced_stop_a_reply_under_way_at_its_next_token():
+    phrases = BannedPhrases(["nope"])
+    holdback = HoldBack(2, [phrases])
+    for token in ("the ", "code ", "name "):
+        holdback.push(token, 1)
+    phrases.replace(["nope", "falcon"])  # banned while the reply runs
+    assert holdback.push("is ", 1) == ("code ", 1)
+    assert holdback.push("fal", 1) == ("name ", 1)
+    assert holdback.push("con", 1) == ("is ", 1)
+    assert holdback.ended and holdback.violation is not None
+    assert holdback.violation.released_chars == len("the code name is ")
+
+
+@pytest.mark.parametrize("window", [4, 1 << 30])
+def test_phrases_replaced_are_found_in_text_held_past_their_context(window: int):
+    # The phrase was made before the list changed, further back than its check reads at a
+    # token (a whole reply holds all of its text): read by the old list only, it left.
+    phrases = BannedPhrases(["zz"])
+    holdback = HoldBack(window, [phrases])
+    released = holdback.push("one falcon ", 1)[0]
+    for _ in range(3):
+        released += holdback.push("and some more words ", 1)[0]
+    phrases.replace(["falcon"])
+    assert phrases.context_chars < len("and some more words " * 3)
+    released += holdback.push("end.", 1)[0]
+    released += holdback.finish()[0]
+    assert released == "one " and holdback.violation is not None
+
+
+def test_phrases_replaced_after_the_last_token_are_read_before_the_text_ends():
+    phrases = BannedPhrases(["zz"])
+    holdback = HoldBack(1 << 30, [phrases])
+    holdback.push("a falcon flies", 1)
+    phrases.replace(["falcon"])
+    assert holdback.finish() == ("a ", 0) and holdback.violation is not None
+
+
+def test_phrases_replaced_by_none_change_nothing():
+    phrases = BannedPhrases(["nope"])
+    with pytest.raises(ValueError):
+        phrases.replace(["", "  "])
+    assert (phrases.revision, phrases.find("a nope") is not None) == (0, True)
+
+
+def test_an_alternative_allowed_before_the_phrases_changed_is_read_again():
+    phrases = BannedPhrases(["zz"])
+    holdback = HoldBack(0, [phrases])
+    made = [TokenLogprob(" a", -0.1, b" a", (TopLogprob(" falcon", -2.0, b" falcon"),))]
+    assert holdback.shown_alternatives(made) == tuple(made)
+    phrases.replace(["falcon"])
+    holdback.push(" b", 1)
+    assert holdback.shown_alternatives(made)[0].top == ()
 
 
 def test_batcher_flushes_every_k_tokens_and_keeps_the_rest():

@@ -196,6 +196,7 @@ class CountedCheck:
     def __init__(self, check: Check) -> None:
         self.name = check.name
         self.context_chars = check.context_chars
+        self.revision = check.revision
         self._check = check
         self.read = 0
 

@@ -58,6 +58,9 @@ class Check(Protocol):
 
     name: str
     context_chars: int  # how much already released text it needs to see again
+    # How many times its rules changed since it was made (a list read again on SIGHUP): a
+    # reply under way that sees a new revision reads all the text it still holds again.
+    revision: int
 
     def find(self, text: str, start: int = 0) -> Finding | None:
         """The first match in ``text`` that begins at ``start`` or after. The text before
@@ -171,15 +174,29 @@ class BannedPhrases:
     name = "banned_phrase"
 
     def __init__(self, phrases: Iterable[str], *, case_sensitive: bool = False) -> None:
+        self._case_sensitive = case_sensitive
+        self.revision = 0
+        self._pattern, self.context_chars = self._compiled(phrases)
+
+    def _compiled(self, phrases: Iterable[str]) -> tuple[re.Pattern[str], int]:
         cleaned = sorted({p for p in phrases if p.strip()}, key=len, reverse=True)
         if not cleaned:
             raise ValueError("BannedPhrases needs at least one non-blank phrase")
-        self._case_sensitive = case_sensitive
         folded = {self._fold(p)[0] for p in cleaned}
-        flags = 0 if case_sensitive else re.IGNORECASE
-        self._pattern = re.compile(phrases_pattern(folded), flags)
+        flags = 0 if self._case_sensitive else re.IGNORECASE
         # Written with format characters between its letters, a phrase takes more room.
-        self.context_chars = 2 * max(len(p) for p in cleaned)
+        return re.compile(phrases_pattern(folded), flags), 2 * max(len(p) for p in cleaned)
+
+    def replace(self, phrases: Iterable[str]) -> None:
+        """Ban ``phrases`` from now on, and no other, in every reply that reads this check,
+        those under way included: their next text is checked against them, the text they
+        still hold read again whole (``revision``).
+
+        Raises:
+            ValueError: there is no phrase among them (nothing changes).
+        """
+        self._pattern, self.context_chars = self._compiled(phrases)
+        self.revision += 1
 
     def _fold(self, text: str) -> tuple[str, list[int]]:
         """``text`` as phrases are matched, and where each of its characters came from (the
@@ -266,6 +283,7 @@ class RegexCheck:
         self._patterns = [(label, re.compile(p, flags)) for label, p in patterns.items()]
         self.name = name
         self.context_chars = context_chars
+        self.revision = 0  # its patterns are the command line's, for the server's life
 
     def find(self, text: str, start: int = 0) -> Finding | None:
         found: Finding | None = None
@@ -316,6 +334,7 @@ class HoldBack:
         self._checks = list(checks)
         self.checks = bool(self._checks)  # held text waits for checks, not only for stops
         self._context = max((c.context_chars for c in self._checks), default=0)
+        self._revisions = [c.revision for c in self._checks]  # the rules the text was read by
         self._stops = StopScan(stops) if stops else None
         self._held: deque[tuple[str, int]] = deque()  # (text, tokens), oldest first
         self._held_tokens = 0
@@ -414,6 +433,9 @@ class HoldBack:
         end = self._held_chars if end is None else end
         new = tail + min(before, end)  # where the new text begins, from the tail's start
         starts = [max(new - check.context_chars, 0) for check in self._checks]
+        revisions = [check.revision for check in self._checks]
+        if revisions != self._revisions:
+            starts = self._read_again(starts, revisions)
         if self._pending is not None:
             back = max(self._pending.start - (self.released_chars - tail), 0)
             starts = [min(start, back) for start in starts]
@@ -436,6 +458,21 @@ class HoldBack:
         if tentative is not None and first is not None and tentative.start >= first.start:
             tentative = None
         return first, tentative
+
+    def _read_again(self, starts: list[int], revisions: list[int]) -> list[int]:
+        """``starts`` with each check whose rules changed since it last read this text (a
+        phrase banned while the reply runs) reading all of it once more: every held
+        character, which its old rules let through and which has not left, and the
+        released tail, so a phrase whose start left before is stopped where it stands. Its
+        context from now on is its new one."""
+        starts = [
+            start if now == seen else 0
+            for start, now, seen in zip(starts, revisions, self._revisions, strict=True)
+        ]
+        self._revisions = revisions
+        self._context = max(c.context_chars for c in self._checks)
+        self._alternatives.clear()  # read by the old rules
+        return starts
 
     def _held_text(self, begin: int, end: int) -> str:
         """The held text from character ``begin`` to ``end``, read from its newest piece back
@@ -481,6 +518,14 @@ class HoldBack:
             return "", 0
         if self._stops is not None:
             self._stops.break_text()
+        if self._checks and [c.revision for c in self._checks] != self._revisions:
+            # The rules changed since the last text came: the held text is read by the new
+            # ones before it leaves. A match at the end is final, the text ending there.
+            first, tentative = self._first_finding(self._held_chars, None)
+            found = tentative or first  # (a tentative match it returns comes first)
+            if found is not None:
+                self._pending = None
+                return self._stop(found, max(0, found.start - len(self._tail)))
         pending = self._pending
         if pending is not None:
             self._pending = None
