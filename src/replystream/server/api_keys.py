@@ -7,9 +7,10 @@ aiohttp) so that a wrong key or file is told before the server loads.
 
 from __future__ import annotations
 
-import stat
 from collections.abc import Sequence
 from pathlib import Path
+
+from replystream.server.text_files import read_text_file
 
 
 def read_keys_file(path: Path) -> list[str]:
@@ -19,21 +20,7 @@ def read_keys_file(path: Path) -> list[str]:
         ValueError: naming the file: it cannot be read, is not UTF-8 text, or holds no key
             (auth would silently be off otherwise).
     """
-    try:
-        mode = path.stat().st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            # A pipe would be read until a writer closes it (a reload's wait stopping the
-            # server), a device for ever.
-            raise ValueError(f"{path}: is not a regular file (a pipe, a device): want the file")
-        # Without the byte-order mark some Windows editors write at the start of a UTF-8
-        # file: it is no part of the first key (which would be refused for it).
-        text = path.read_text(encoding="utf-8").removeprefix("\ufeff")
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        byte = exc.object[exc.start]
-        why = f"byte 0x{byte:02x} at offset {exc.start}: {exc.reason}"
-        raise ValueError(f"{path}: not UTF-8 text ({why})") from None
+    text = read_text_file(path)
     keys = []
     for number, line in enumerate(text.splitlines(), 1):
         key = line.strip()

@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 from replystream import settings, start_hangup
 from replystream.delivery.moderation import BannedPhrases, Check, RegexCheck, secret_check
@@ -33,6 +34,7 @@ from replystream.server.listening import REFUSED_EXIT, bind_socket, listening_li
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 from replystream.server.serve_settings import SERVE_SETTINGS
 from replystream.server.server_config import ServerConfig
+from replystream.server.text_files import banned_phrases
 from replystream.server.workers import descriptors_problem, run_workers, tell_parent_ready
 
 log = logging.getLogger("replystream.serve")
@@ -43,21 +45,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, SERVE_SETTINGS)
 
 
-def build_checks(args: argparse.Namespace) -> list[Check]:
+class Checks(NamedTuple):
+    """The moderation checks the command line asks for, in the order they run."""
+
+    all: tuple[Check, ...]
+    # Among them, the banned phrases (``--ban``, ``--ban-file``): SIGHUP reads the file again
+    # into it (``server.reload``).
+    phrases: BannedPhrases | None
+
+
+def build_checks(args: argparse.Namespace) -> Checks:
     """The moderation checks the command line asks for.
 
     Raises:
         ValueError: a regular expression is malformed or a file cannot be read.
     """
     checks: list[Check] = []
-    phrases = list(args.ban)
-    if args.ban_file is not None:
-        listed = [line.strip() for line in args.ban_file.read_text("utf-8").splitlines()]
-        if not any(listed):  # as --api-keys-file: moderation would silently be off
-            raise ValueError(f"--ban-file {args.ban_file}: no phrase in it (every line is blank)")
-        phrases += listed
-    if any(p.strip() for p in phrases):
-        checks.append(BannedPhrases(phrases))
+    phrases = banned_phrases(args.ban, args.ban_file)
+    banned = BannedPhrases(phrases) if any(p.strip() for p in phrases) else None
+    if banned is not None:
+        checks.append(banned)
     if args.ban_regex:
         patterns: dict[str, str] = {}
         for item in args.ban_regex:
@@ -79,7 +86,7 @@ def build_checks(args: argparse.Namespace) -> list[Check]:
         checks.append(RegexCheck(patterns, name="regex"))
     if args.block_secrets:
         checks.append(secret_check())
-    return checks
+    return Checks(tuple(checks), banned)
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
@@ -87,9 +94,10 @@ def build_engine(args: argparse.Namespace) -> Engine:
     return engine_options.build_engine(args)
 
 
-def build_config(args: argparse.Namespace) -> ServerConfig:
-    """Server configuration from the command line; raises ValueError on bad values."""
-    checks = tuple(build_checks(args))
+def build_config(args: argparse.Namespace, moderation: Checks | None = None) -> ServerConfig:
+    """Server configuration from the command line, with the checks ``moderation`` (None:
+    those it asks for); raises ValueError on bad values."""
+    checks = (build_checks(args) if moderation is None else moderation).all
     if args.holdback_tokens and not checks:
         # The window is for checks to read the text before it leaves: with none, it would
         # only delay every token (and a request's own window stays the request's to ask).
@@ -221,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         refuse_foreign_metrics_dir(args)
         check_worker_descriptors(args)
-        config = build_config(args)
+        moderation = build_checks(args)
+        config = build_config(args, moderation)
         store = build_store(args)
         choice = engine_options.parse_engines(args.engine)
         # Checked here too: with --workers the engine is built only in the workers, and a
@@ -321,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     if reloads:
         from replystream.server import reload
 
-        rereads = reload.reloads_for(app, args, choice)
+        rereads = reload.reloads_for(app, args, choice, moderation.phrases)
     quiet = args.listen_fd is not None  # a worker: its parent announces the URL
     ready_fd = args.ready_fd
     with asyncio.Runner(loop_factory=new_loop) as runner:
@@ -343,9 +352,11 @@ def run(args: argparse.Namespace) -> int:
 
 def names_files_read_again(args: argparse.Namespace, engine_kind: str) -> bool:
     """Whether ``args`` name a file SIGHUP reads again (``server.reload``): the API keys
-    file, or a relay's routes file."""
-    return args.api_keys_file is not None or (
-        engine_kind == "upstream" and args.upstream_routes is not None
+    file, the banned phrases file, or a relay's routes file."""
+    return (
+        args.api_keys_file is not None
+        or args.ban_file is not None
+        or (engine_kind == "upstream" and args.upstream_routes is not None)
     )
 
 

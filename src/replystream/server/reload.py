@@ -1,14 +1,16 @@
 """Reading ``serve``'s files again while it serves (``kill -HUP``), as nginx and HAProxy reload
-theirs: no restart, no stream cut. The files: the relay's routes (``--upstream-routes``) and
-the API keys (``--api-keys-file``); the command line itself is not read again.
+theirs: no restart, no stream cut. The files: the relay's routes (``--upstream-routes``), the
+API keys (``--api-keys-file``) and the banned phrases (``--ban-file``); the command line
+itself is not read again.
 
 This file decides when the files are read again and what is said about it: on each SIGHUP,
 every file in turn, one reload at a time (a signal during a reload reads them once more after
 it, so the last edit is the one served); a file with a mistake changes nothing, and what was
 served before stays; each file's reload is one log line (what changed, or the mistake, as
 ``serve`` would name it at start-up) and one count in ``replystream_reloads_total`` by file
-and result. What a file means is its reader's (``upstream_routes``, ``api_keys``); how the server
-takes it is its owner's (``UpstreamEngine.reroute``, ``KeyRing.replace``).
+and result. What a file means is its reader's (``upstream_routes``, ``api_keys``,
+``text_files``); how the server takes it is its owner's (``UpstreamEngine.reroute``,
+``KeyRing.replace``, ``BannedPhrases.replace``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import Counter
 
+from replystream.delivery.moderation import BannedPhrases
 from replystream.engine.upstream import RouteChange, UpstreamEngine
 from replystream.server.api_keys import collect_keys
 from replystream.server.auth import KEY_RING
@@ -30,6 +33,7 @@ from replystream.server.context import ENGINE_KEY, METRICS_KEY
 from replystream.server.engine_options import EngineChoice, idle_upstream_flag, upstream_config
 from replystream.server.metrics import Metrics
 from replystream.server.state import BACKEND_GAUGES_KEY
+from replystream.server.text_files import banned_phrases
 
 log = logging.getLogger("replystream.server")
 
@@ -51,7 +55,7 @@ class Reloads:
         self._files = tuple(files)
         self._count = Counter(
             "replystream_reloads",
-            "Times a file was read again on SIGHUP, by file (routes, api_keys) and result: "
+            "Times a file was read again on SIGHUP, by file (api_keys, ban, routes) and result: "
             "ok, or failed (a mistake in it: what was served before stays).",
             ["file", "result"],
             registry=metrics.registry,
@@ -113,13 +117,18 @@ def change_line(path: str, change: RouteChange) -> str:
 
 
 def reloads_for(
-    app: web.Application, args: argparse.Namespace, choice: EngineChoice
+    app: web.Application,
+    args: argparse.Namespace,
+    choice: EngineChoice,
+    phrases: BannedPhrases | None,
 ) -> Reloads | None:
-    """What SIGHUP reads again for ``serve``'s ``args``: the relay's routes file, the API keys
-    file; None when it names neither (SIGHUP then stops the server as SIGTERM does)."""
+    """What SIGHUP reads again for ``serve``'s ``args``: the API keys file, the banned phrases
+    file (into ``phrases``, the check every reply reads), the relay's routes file; None when
+    it names none (SIGHUP then stops the server as SIGTERM does)."""
     files = []
-    # The keys first: a leaked key removed from its file is refused at once, not after the
-    # routes' reload has probed its new upstreams (up to 2 s for one that does not answer).
+    # The keys and the phrases first: a leaked key removed from its file is refused, and a
+    # leaked phrase added to its file stopped, at once, not after the routes' reload has
+    # probed its new upstreams (up to 2 s for one that does not answer).
     ring = app.get(KEY_RING)
     if ring is not None and args.api_keys_file is not None:
         keys_file = Path(args.api_keys_file)
@@ -130,6 +139,18 @@ def reloads_for(
             return f"API keys reloaded from {keys_file}: {len(keys)} key{'s' * (len(keys) != 1)}"
 
         files.append(ReloadedFile("api_keys", rekey))
+    if phrases is not None and args.ban_file is not None:
+        ban_file = Path(args.ban_file)
+
+        async def reban() -> str:
+            listed = banned_phrases(args.ban, ban_file)
+            phrases.replace(listed)
+            # Every reply takes them at its next token, those under way too: a phrase banned
+            # because it leaked stops leaking now, not once the replies running have ended.
+            count = len(set(listed))
+            return f"banned phrases reloaded from {ban_file}: {count} phrase{'s' * (count != 1)}"
+
+        files.append(ReloadedFile("ban", reban))
     engine = app[ENGINE_KEY]
     if isinstance(engine, UpstreamEngine) and args.upstream_routes is not None:
         path: str = args.upstream_routes

@@ -384,7 +384,12 @@ CHECKS = Group(
             repeatable=True,
             metavar="PHRASE",
         ),
-        Setting("--ban-file", "banned phrases, one per line", readable_text_file),
+        Setting(
+            "--ban-file",
+            "banned phrases, one per line, read again on SIGHUP (replies under way take the "
+            "new list at their next token)",
+            readable_text_file,
+        ),
         Setting(
             "--ban-regex",
             "a named regular expression that must not match (repeatable)",
