@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -142,3 +143,25 @@ async def test_a_reply_under_way_takes_the_new_list_before_the_phrase_leaves(tmp
         assert text == "one two three four five six the ", text
     finally:
         await stop(process)
+
+
+async def test_a_worker_started_again_after_an_unsignalled_edit_enforces_its_siblings_list(
+    tmp_path: Path,
+):
+    """The file is edited and nobody signals; then a worker dies. The one started in its
+    place read the file as it is now: the one beside it enforced the list read at start,
+    and each request was moderated or not as its connection landed."""
+    bans = tmp_path / "bans.txt"
+    bans.write_text("nothing said here\n")
+    async with banning(bans, "--workers", "2") as (process, url, stderr):
+        bans.write_text(f"nothing said here\n{PHRASE}\n")
+        first = children_of(process.pid)
+        os.kill(first[0], signal.SIGKILL)
+        await stderr.wait_for("in place of one that exited")
+        with contextlib.suppress(TimeoutError):  # (else what each enforces says how they differ)
+            await stderr.wait_for("banned phrases reloaded", count=2)
+        now = children_of(process.pid)
+        assert first[0] not in now and first[1] in now
+        endings = await endings_by_worker(url, now)
+        assert set(endings.values()) == {("moderated", "the ")}, endings
+        assert not any("Traceback" in line for line in stderr.lines), stderr.lines

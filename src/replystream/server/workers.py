@@ -144,8 +144,10 @@ def run_workers(
     it when it returns, and, as it starts, those that parents killed outright left behind
     (``metrics_dir``). With ``reloads`` (the workers read a file again on SIGHUP), the parent
     forwards SIGHUP to each worker once it is ready (one still starting gets it when it is: it
-    may have read the file before the edit); without, a SIGHUP stops the workers as SIGTERM
-    does.
+    may have read the file before the edit), and sends it to every worker once one started
+    again in a dead one's place is ready (it read the files as they are now, the others as
+    they were when last signalled: an edit not yet signalled would be served by it alone);
+    without, a SIGHUP stops the workers as SIGTERM does.
     """
     metrics_dir.remove_stale_folders()
     with metrics_dir.owned_folder() as folder:
@@ -201,6 +203,7 @@ class Supervisor:
         self._selector = selectors.DefaultSelector()
         self._announced = self._stopping = False
         self._none_serving = False  # said that every worker is down, until one is ready
+        self._reloads = False  # the workers read a file again on SIGHUP
         self._stop_signal: int = signal.SIGTERM
         self._status = 0
         # From the first stop signal: when a worker still there is killed.
@@ -214,6 +217,7 @@ class Supervisor:
         if start_interrupt.interrupted():
             raise KeyboardInterrupt  # a Ctrl-C while the parent loaded, that code swallowed
         # With no file to read again, SIGHUP stops the workers as SIGTERM does.
+        self._reloads = reloads
         signal.signal(signal.SIGHUP, self._hangup if reloads else self._stop_on_hangup)
         try:
             for slot in self._slots:
@@ -325,6 +329,17 @@ class Supervisor:
                     if self._none_serving:
                         self._none_serving = False
                         log.warning("a worker is serving again")
+                if self._announced and self._reloads and not self._stopping:
+                    # It read its files as they are now; the others, as they were at their
+                    # last reload. Unless all read them again, an edit not yet signalled (a
+                    # phrase banned, a key revoked) would be served by this one alone, and a
+                    # client's request served by either version as its connection lands.
+                    log.warning(
+                        "every worker reads its files again, as the one started again read "
+                        "them: all serve them as they are now"
+                    )
+                    slot.hangup_due = False
+                    self._hangup(signal.SIGHUP, None)
                 if slot.hangup_due and slot.process is not None:
                     slot.hangup_due = False
                     slot.process.send_signal(signal.SIGHUP)
