@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anthropic
 import openai
 from aiohttp import web
 
@@ -199,3 +200,114 @@ async def test_a_message_refused_is_told_by_the_kind_its_role_names():
         " refused the request: messages.1.ChatCompletionRequestAssistantMessage.content:"
         " Input should be a valid string"
     )
+
+
+def null_content_refusal(index: int, message: dict[str, Any]) -> dict[str, Any]:
+    """llama-cpp-python's 500 (0.3.36, with ``--chat_format chatml-function-calling``) for an
+    assistant message at ``index`` whose content is null beside its tool calls, as it printed
+    it but for its install's path: each kind of message its schema checked, and the message."""
+    where = f"('body', 'messages', {index}, "
+    problems = (
+        f"{{'type': 'literal_error', 'loc': {where}'ChatCompletionRequestSystemMessage', 'role'),"
+        " 'msg': \"Input should be 'system'\", 'input': 'assistant', 'ctx': {'expected':"
+        " \"'system'\"}}",
+        f"{{'type': 'literal_error', 'loc': {where}'ChatCompletionRequestUserMessage', 'role'),"
+        " 'msg': \"Input should be 'user'\", 'input': 'assistant', 'ctx': {'expected':"
+        " \"'user'\"}}",
+        f"{{'type': 'string_type', 'loc': {where}'ChatCompletionRequestAssistantMessage',"
+        " 'content'), 'msg': 'Input should be a valid string', 'input': None}",
+        f"{{'type': 'literal_error', 'loc': {where}'ChatCompletionRequestToolMessage', 'role'),"
+        " 'msg': \"Input should be 'tool'\", 'input': 'assistant', 'ctx': {'expected':"
+        " \"'tool'\"}}",
+        f"{{'type': 'missing', 'loc': {where}'ChatCompletionRequestToolMessage', 'tool_call_id'),"
+        f" 'msg': 'Field required', 'input': {message!r}}}",
+        f"{{'type': 'literal_error', 'loc': {where}'ChatCompletionRequestFunctionMessage',"
+        " 'role'), 'msg': \"Input should be 'function'\", 'input': 'assistant', 'ctx':"
+        " {'expected': \"'function'\"}}",
+        f"{{'type': 'missing', 'loc': {where}'ChatCompletionRequestFunctionMessage', 'name'),"
+        f" 'msg': 'Field required', 'input': {message!r}}}",
+    )
+    said = "7 validation errors:\n" + "".join(f"  {p}\n" for p in problems)
+    said += (
+        '\n  File "/srv/venv/lib/python3.11/site-packages/llama_cpp/server/app.py", line 376,'
+        " in create_chat_completion\n    POST /v1/chat/completions"
+    )
+    error = {"message": said, "type": "internal_server_error", "param": None, "code": None}
+    return {"error": error}
+
+
+class NullContentRefusing(Upstream):
+    """Refuses an assistant message's null content as llama-cpp-python's server does, and
+    answers the same turn with an empty string for content."""
+
+    def __init__(self) -> None:
+        super().__init__(["m"])
+        self.refused = 0
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        for index, message in enumerate(body["messages"]):
+            if message["role"] == "assistant" and message.get("content", "") is None:
+                self.refused += 1
+                return web.json_response(null_content_refusal(index, message), status=500)
+        return await super().chat(request)
+
+
+async def test_a_turn_of_tool_calls_reaches_an_upstream_that_takes_no_null_content():
+    """Anthropic's ``tool_use`` turn and the Responses API's ``function_call`` item become an
+    assistant message of calls with no text, which the relay writes with null content, as
+    OpenAI's API has it; llama-cpp-python refuses null there, and takes an empty string."""
+    upstream = NullContentRefusing()
+    weather: Any = {"type": "object", "properties": {"city": {"type": "string"}}}
+    async with (
+        relay([upstream]) as url,
+        anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as messages,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        said = await messages.messages.create(
+            model="m",
+            max_tokens=8,
+            tools=[{"name": "get_weather", "input_schema": weather}],
+            messages=[
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {
+                            "type": "tool_use",
+                            "id": "toolu_1",
+                            "name": "get_weather",
+                            "input": {"city": "Paris"},
+                        }
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}
+                    ],
+                },
+            ],
+        )
+        answered = await client.responses.create(
+            model="m",
+            tools=[
+                {"type": "function", "name": "get_weather", "parameters": weather, "strict": None}
+            ],
+            input=[
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "type": "function_call",
+                    "call_id": "call_1",
+                    "name": "get_weather",
+                    "arguments": '{"city": "Paris"}',
+                },
+                {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"},
+            ],
+        )
+    assert [block.type for block in said.content] == ["text"]
+    assert answered.output_text == "w0 w1 w2 "
+    assert upstream.refused == 1  # once: the relay writes it so for that upstream from then on
+    for body in upstream.bodies:
+        [turn] = [m for m in body["messages"] if m["role"] == "assistant"]
+        assert turn["content"] == "" and turn["tool_calls"][0]["function"]["name"] == "get_weather"

@@ -353,11 +353,23 @@ class UpstreamEngine:
             self._origins[backend.name] = origin
         return origin
 
-    def _heed(self, backend: Backend, model: str | None, refused: OwnFieldRefused) -> bool:
+    def _heed(
+        self,
+        backend: Backend,
+        request: GenerationRequest,
+        model: str | None,
+        refused: OwnFieldRefused,
+    ) -> bool:
         """Write the field ``refused`` (as the relay wrote it) as ``backend`` asks, from now
-        on; whether the request it refused is then written otherwise (else that refusal
-        stands: the field was already written so)."""
-        if refused.field == "stream_options":
+        on; whether ``request``, which it refused, is then written otherwise (else that
+        refusal stands: the field was already written so, or the request has none such)."""
+        if refused.field == "content":
+            nulls = any(m.get("content", "") is None for m in request.messages or ())
+            if not backend.takes_null_content or request.raw_prompt or not nulls:
+                return False
+            backend.takes_null_content = False
+            then = "an assistant message's null content goes to it as an empty string from now on"
+        elif refused.field == "stream_options":
             if not backend.takes_stream_options:
                 return False
             backend.takes_stream_options = False
@@ -443,15 +455,20 @@ class UpstreamEngine:
         # (A legacy completion's limit has the one name.)
         limited_so = model in backend.completion_limit_models and not request.raw_prompt
         limit_field = "max_completion_tokens" if limited_so else "max_tokens"
-        ask_usage = backend.takes_stream_options
-        body = to_json(request_body(request, model, ask_usage=ask_usage, limit_field=limit_field))
+        body = request_body(
+            request,
+            model,
+            ask_usage=backend.takes_stream_options,
+            limit_field=limit_field,
+            null_content=backend.takes_null_content,
+        )
         timeout = self.config.headers_timeout_s
         first_content_due = within_s is not None and within_s < timeout
         if within_s is not None:
             timeout = min(timeout, within_s)
         sent_at = time.monotonic()
         try:
-            response = await self._post(backend, path, body, request.caller, timeout)
+            response = await self._post(backend, path, to_json(body), request.caller, timeout)
         except TimeoutError:
             if first_content_due:  # the relay's limit fired, not the head's: it says which
                 raise FirstContentLate from None
@@ -463,7 +480,9 @@ class UpstreamEngine:
             if within_s is not None:
                 read_s = min(read_s, max(0.0, within_s - (time.monotonic() - sent_at)))
             refused = await self._refusal(response, backend, key, path, read_s)
-            if isinstance(refused, OwnFieldRefused) and self._heed(backend, model, refused):
+            if isinstance(refused, OwnFieldRefused) and self._heed(
+                backend, request, model, refused
+            ):
                 left = within_s
                 if left is not None:
                     left = max(0.0, left - (time.monotonic() - sent_at))

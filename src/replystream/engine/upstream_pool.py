@@ -124,6 +124,9 @@ class Backend:
     connections: int = 0  # opened to it so far (a request on one kept alive opens none)
     # Whether it is sent ``stream_options`` (for its own usage): not once it refused them.
     takes_stream_options: bool = True
+    # Whether an assistant message's null content goes to it as null (OpenAI's spelling of a
+    # turn of tool calls with no text): not once it refused that, then as an empty string.
+    takes_null_content: bool = True
     # The models it takes a token limit for only as ``max_completion_tokens`` (it refused
     # ``max_tokens`` for them, as OpenAI does for its reasoning models), oldest first.
     completion_limit_models: dict[str | None, None] = field(default_factory=dict)

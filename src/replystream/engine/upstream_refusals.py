@@ -107,7 +107,9 @@ class OwnFieldRefused(RequestRejected):
     upstreams refuse (Azure OpenAI's API versions before 2024-10-21; servers whose schema
     forbids a field they do not know); or ``max_tokens``, the relay's spelling of the
     client's token limit, where the model takes only ``max_completion_tokens`` (OpenAI's
-    reasoning models). Not the client's mistake: the engine sends the request again as the
+    reasoning models); or ``content``, a message's null content (an assistant's turn of tool
+    calls with no text), where the upstream's schema takes a string only (llama-cpp-python's).
+    Not the client's mistake: the engine sends the request again as the
     upstream asks."""
 
     def __init__(self, message: str, *, field: str, code: str, param: str | None) -> None:
@@ -137,19 +139,31 @@ def _refused(field: str) -> re.Pattern[str]:
 
 _STREAM_OPTIONS_REFUSED = _refused("stream_options")
 _MAX_TOKENS_REFUSED = _refused("max_tokens")
+# A message's null content refused where only a string is taken: llama-cpp-python's schema
+# (0.3.36) has an assistant's content a string or absent, where OpenAI's API takes null beside
+# tool calls, as the relay writes the turn of an Anthropic ``tool_use`` block or a Responses
+# ``function_call`` item ("messages.1.ChatCompletionRequestAssistantMessage.content: Input
+# should be a valid string", the first problem of the kind its role names).
+_NULL_CONTENT_REFUSED = re.compile(
+    r"^messages\.\d+\.(?:\w+\.)?content: Input should be a valid string"
+)
 
 
 def own_field_refused(param: str | None, message: str | None) -> str | None:
     """Which field as the relay writes it an upstream's 400 or 422 refuses, by its ``param``
-    and its words (None: none of ours). ``max_tokens`` is refused where the words say so
-    and name ``max_completion_tokens`` ("Unsupported parameter: 'max_tokens' is not supported
-    with this model. Use 'max_completion_tokens' instead."), not where they only name both
-    (vLLM's "'max_tokens' or 'max_completion_tokens' is too large", a limit past the context)."""
+    and its words (None: none of ours). ``content`` is a message's null content where the
+    upstream takes a string only (llama-cpp-python's). ``max_tokens`` is refused where the
+    words say so and name ``max_completion_tokens`` ("Unsupported parameter: 'max_tokens' is
+    not supported with this model. Use 'max_completion_tokens' instead."), not where they only
+    name both (vLLM's "'max_tokens' or 'max_completion_tokens' is too large", a limit past the
+    context)."""
     said = message or ""
     if param == "stream_options" or _STREAM_OPTIONS_REFUSED.search(said):
         return "stream_options"
     if _MAX_TOKENS_REFUSED.search(said) and "max_completion_tokens" in said:
         return "max_tokens"
+    if _NULL_CONTENT_REFUSED.match(said):
+        return "content"
     return None
 
 

@@ -31,10 +31,13 @@ def request_body(
     *,
     ask_usage: bool = True,
     limit_field: str = "max_tokens",
+    null_content: bool = True,
 ) -> dict[str, Any]:
     """The upstream chat-completion body for ``request``; ``ask_usage``: with
-    ``stream_options.include_usage``; ``limit_field``: the token limit's name (both as the
-    upstream takes them: ``Backend.takes_stream_options``, ``completion_limit_models``)."""
+    ``stream_options.include_usage``; ``limit_field``: the token limit's name;
+    ``null_content``: a message's null content as null, else as an empty string (each as the
+    upstream takes them: ``Backend.takes_stream_options``, ``completion_limit_models``,
+    ``takes_null_content``)."""
     s = request.sampling
     body: dict[str, Any]
     if request.raw_prompt:  # a legacy completion: the prompt as written, for /completions
@@ -45,6 +48,10 @@ def request_body(
             if request.messages
             else [{"role": "user", "content": request.prompt}]
         )
+        if not null_content:  # the same turn to OpenAI's API, which reads both alike
+            for message in messages:
+                if "content" in message and message["content"] is None:
+                    message["content"] = ""
         body = {"messages": messages, "stream": True}
     if ask_usage:
         body["stream_options"] = {"include_usage": True}
