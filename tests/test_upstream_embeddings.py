@@ -42,10 +42,21 @@ def vector(text: str, index: int) -> list[float]:
 BAD_VECTORS = {
     "words": b'["a", null, {}]',
     "nan": b"[0.5, NaN, Infinity]",
-    "nested": b"[[0.5]]",
+    "nested": b"[0.5, [0.25]]",
     "not_base64": b'"!!!not base64"',
     "ragged_base64": b'"AAAAAAA="',  # 5 bytes: no whole float32s
 }
+
+
+# llama-cpp-python's server's answer (0.3.36, ``--embedding true``) for "Hi" on SmolLM2's GGUF,
+# a chat model that pools no vector of a text: one vector per token (here one token), written
+# as it wrote them, but for their 576 dimensions cut to 4 and its model's path.
+PER_TOKEN_ANSWER = (
+    b'{"object":"list","data":[{"object":"embedding","embedding":[[-0.5418130159378052,'
+    b'-0.7885620594024658,0.030401350930333138,1.1082793474197388]],"index":0}],'
+    b'"model":"/srv/models/SmolLM2-135M-Instruct.Q4_1.gguf",'
+    b'"usage":{"prompt_tokens":1,"total_tokens":1}}'
+)
 
 
 class EmbeddingUpstream:
@@ -80,6 +91,8 @@ class EmbeddingUpstream:
             message = "Llama model must be created with embedding=True to call this method"
             error = {"message": message, "type": "internal_server_error"}
             return web.json_response({"error": error}, status=500)
+        if self.mode == "per_token":  # llama-cpp-python's for a model without pooling
+            return web.Response(body=PER_TOKEN_ANSWER, content_type="application/json")
         if self.mode == "large":
             return web.Response(body=self.large, content_type="application/json")
         if self.mode == "gzip":  # compressed though asked for none (a gateway's doing)
@@ -344,6 +357,29 @@ async def test_llama_cpp_pythons_500_without_embeddings_is_a_route_it_lacks():
     assert "/embeddings: it has no such route" in body["error"]["message"]
     assert "embedding=True" in body["error"]["message"]  # its own words, quoted
     assert health == 200
+
+
+async def test_a_vector_per_token_is_a_model_that_makes_no_embeddings_not_a_sick_upstream():
+    """llama-cpp-python's server started with ``--embedding`` on a chat model answers a vector
+    per token: no embedding a client can use, and no sign of sickness either. Counted on its
+    circuit, three such requests took the upstream out of routing, chat's too, for everyone."""
+    upstream = EmbeddingUpstream(["m"], mode="per_token")
+    async with relay([upstream], failures=1) as url:
+        got = [await post(url, {"model": "m", "input": "Hi"}) for _ in range(3)]
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/healthz") as page:
+            health = page.status
+    assert [status for status, _ in got] == [404, 404, 404], got
+    error = got[-1][1]["error"]
+    assert error["code"] == "route_unsupported"
+    assert "a vector for each token of an input" in error["message"]
+    assert health == 200
+    per_token, ok = EmbeddingUpstream(["m"], mode="per_token"), EmbeddingUpstream(["m"])
+    async with relay([per_token, ok], failures=1) as url:
+        got = [await post(url, {"model": "m", "input": "Hi"}) for _ in range(3)]
+    assert [status for status, _ in got] == [200, 200, 200], got
+    # Asked again after its first such answer (first in turn for two of the three): its
+    # circuit, which opens at the first failure here, stayed closed.
+    assert len(per_token.bodies) >= 2
 
 
 async def test_an_upstream_slower_than_the_timeout_is_passed_over_head_or_body(caplog):

@@ -7,7 +7,8 @@ left is at its limit of requests at once, for at most ``queue_s``); a connection
 no answer within the head timeout, a 5xx or a 429 counts on that upstream's circuit (as a chat
 attempt's does: ``NOT_ITS_HEALTH``) and the next upstream is tried, until ``failover_s`` has
 passed since the request began; an upstream without the route (one serving chat alone:
-``UpstreamLacksRoute``) is passed over with no mark on its circuit; a refusal of the request
+``UpstreamLacksRoute``, and one whose model makes a vector per token, none per text) is
+passed over with no mark on its circuit; a refusal of the request
 itself (a 4xx) is the client's answer, from the first upstream that gave it. The answer is
 relayed whole and as the upstream wrote it (``encoding_format`` is passed on: base64 stays
 base64), but for its ``model``, the name the client asked for (an alias's, as a chat reply
@@ -21,6 +22,7 @@ our HTTP server.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -35,7 +37,11 @@ from replystream.engine.upstream_http_connection import Response
 from replystream.engine.upstream_http_failures import HttpFailure
 from replystream.engine.upstream_pool import Backend, UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
-from replystream.engine.upstream_refusals import UpstreamTimeout, UpstreamUnavailable
+from replystream.engine.upstream_refusals import (
+    UpstreamLacksRoute,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from replystream.engine.upstream_relay_types import (
     AT_HEAD,
     NOT_ITS_HEALTH,
@@ -46,6 +52,13 @@ from replystream.engine.upstream_slots import SharedLimits
 # The largest answer relayed: 2,048 inputs (OpenAI's most per request) of 4,096 dimensions
 # are about 45 MB in base64 (the official SDKs' default) and 100 MB as JSON numbers.
 MAX_ANSWER_BYTES = 128 * 1024 * 1024
+
+# An answer whose first item's embedding is a list of vectors, one per token of its input:
+# llama-cpp-python's server (0.3.36) for a model that pools none into one vector of the text
+# (a chat model's GGUF, started with ``--embedding``): ``"embedding":[[-0.54,...],...]``. Its
+# first item is near the answer's start, so only that much is searched.
+_PER_TOKEN = re.compile(rb'"embedding"\s*:\s*\[\s*\[\s*-?[0-9]')
+_PER_TOKEN_SEARCHED = 64 * 1024
 
 # Sends a body to ``POST {backend}/embeddings`` and returns the response once its head came
 # (raising an ``EngineError`` for a failure before then), with ``caller`` (its key, request
@@ -174,6 +187,15 @@ class EmbeddingsRelay:
                 code="upstream_bad_response",
             )
         answer = await checked_answer(raw, answer_as)
+        if answer is None and _PER_TOKEN.search(raw, 0, _PER_TOKEN_SEARCHED):
+            # What it makes of this model, not a sign of sickness: counted on its circuit,
+            # three requests would take it out of chat's routing too, for every client.
+            raise UpstreamLacksRoute(
+                f"{where} answered POST /embeddings with a vector for each token of an input, "
+                "not one for the input: its model makes no embedding of a text (a model "
+                "without pooling, as a chat model's GGUF is to llama-cpp-python's server)",
+                code="route_unsupported",
+            )
         if answer is None:
             raise UpstreamUnavailable(
                 f"{where} answered something other than a list of embeddings ({len(raw)} bytes)",
