@@ -375,13 +375,18 @@ class ChunkReader:
         if self._finish is None:
             if self._tokens == 0:
                 # Nothing made, and the body ended cleanly: how llama-cpp-python's server
-                # answers a streamed prompt past its context. It may be the request's fault,
-                # so it is not the upstream's failure to count (``NOT_ITS_HEALTH``): three such
-                # prompts from any client would otherwise take the upstream out of routing.
+                # answers a streamed prompt past its context, and in its chatml-function-calling
+                # format a tool_choice of "auto" or "required" (it raises "Automatic streaming
+                # tool choice is not supported" once the stream's head went). It may be the
+                # request's fault, so it is not the upstream's failure to count
+                # (``NOT_ITS_HEALTH``): three such requests from any client would otherwise
+                # take the upstream out of routing.
                 raise self._fail(
                     f"{self._where} ended its stream before any output or finish reason (a "
                     "request it refused without saying why: llama-cpp-python's server does "
-                    "so for a prompt past its context)",
+                    "so for a prompt past its context, and for tools with a tool_choice of auto "
+                    "or required in its chatml-function-calling format, which it does not "
+                    "stream)",
                     "upstream_empty",
                 )
             raise self._fail(
