@@ -48,8 +48,9 @@ def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]
             "carol", enabled=True, passwords=["+carolpw"], keys=["other:*"], commands=["+@all"]
         )
         # Users given EVALSHA but not what the store sends beside it: SCRIPT LOAD (a script
-        # Redis lacks, after its restart, is loaded first) and EVAL (a repair's script).
-        for user, refused in (("erin", "-script"), ("frank", "-eval")):
+        # Redis lacks, after its restart, is loaded first), EVAL (a repair's script) and
+        # INFO (which server answers: a restart that lost every reply; -@dangerous takes it).
+        for user, refused in (("erin", "-script"), ("frank", "-eval"), ("gina", "-@dangerous")):
             admin.acl_setuser(
                 user,
                 enabled=True,
@@ -78,6 +79,7 @@ def serve(url: str) -> subprocess.CompletedProcess[str]:
         ("carol:carolpw@", 0, "no permissions to access one of the keys"),
         ("erin:erinpw@", 0, "no permissions to run the 'script|load' command"),
         ("frank:frankpw@", 0, "no permissions to run the 'eval' command"),
+        ("gina:ginapw@", 0, "no permissions to run the 'info' command"),
         (f"alice:{QUOTED}@", 99, "DB index is out of range"),
     ],
 )

@@ -487,8 +487,8 @@ async def first_contact(
 ) -> FirstContact | None:
     """Ask Redis once, on a client of its own, whether it takes the commands the store sends:
     a connection (its password, or none, its database, its TLS certificate) and a script
-    call on ``key`` (a user allowed ``SCRIPT LOAD``, ``EVALSHA``, ``EVAL`` and that key). None
-    when it takes them.
+    call on ``key`` (a user allowed ``SCRIPT LOAD``, ``EVALSHA``, ``EVAL`` and that key), and
+    ``INFO``. None when it takes them.
 
     Failing every command, a wrong password, ``NOAUTH``, a database out of range or an ACL
     user without a command or key the store uses would be retried as a failover and found by
@@ -511,6 +511,11 @@ async def first_contact(
         with contextlib.suppress(NoScriptError):  # a Cluster node that lacks it: allowed
             await client.evalsha(digest, 1, key)  # type: ignore[no-untyped-call, unused-ignore]
         await client.eval(_PROBE, 1, key)  # type: ignore[no-untyped-call, unused-ignore]
+        # Which server answers (its run_id) tells a restart that lost every reply from one no
+        # command saw (``RedisLink.servers_changed``); refused (an ACL user without the
+        # @dangerous commands), such a restart would go unnoticed, each beat's ask failing
+        # without a word.
+        await client.info("server")
     except AuthenticationError as exc:  # a ConnectionError, but a waiting one never passes
         return FirstContact(True, error_text(exc))
     except RedisConnectionError as exc:
