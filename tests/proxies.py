@@ -70,6 +70,8 @@ _APACHE_MODULES = (
     "proxy",
     "proxy_http",
 )
+# What `a2enmod ssl http2` adds (ssl brings socache_shmcb for its session cache).
+_APACHE_TLS_MODULES = ("socache_shmcb", "ssl", "http2")
 
 
 def long_reply_engine(**config: float) -> SimulatedEngine:
@@ -165,13 +167,22 @@ async def running_haproxy(config: str, port: int, tmp: Path) -> AsyncIterator[st
 
 
 @contextlib.asynccontextmanager
-async def running_apache(site: str, port: int, tmp: Path) -> AsyncIterator[str]:
+async def running_apache(
+    site: str, port: int, tmp: Path, tls_port: int | None = None
+) -> AsyncIterator[str]:
     """Apache httpd in one process (-X) with Debian's modules for a proxy and ``site`` (a
-    VirtualHost or bare directives) listening on 127.0.0.1:``port``; yield its URL."""
+    VirtualHost or bare directives) listening on 127.0.0.1:``port``; yield its URL.
+
+    With ``tls_port`` it also listens there, with the modules `a2enmod ssl http2` enables and
+    Debian's ssl.conf session cache, for a TLS VirtualHost of ``site``.
+    """
     binary = require_binary("apache2")
+    names = _APACHE_MODULES + (_APACHE_TLS_MODULES if tls_port else ())
     modules = "\n".join(
-        f"LoadModule {name}_module {APACHE_MODULES}/mod_{name}.so" for name in _APACHE_MODULES
+        f"LoadModule {name}_module {APACHE_MODULES}/mod_{name}.so" for name in names
     )
+    if tls_port:
+        modules += f"\nListen 127.0.0.1:{tls_port}\nSSLSessionCache shmcb:{tmp}/ssl_scache(512000)"
     main = _APACHE_MAIN.format(tmp=tmp, port=port, modules=modules, site=site)
     conf = _write(tmp, "httpd.conf", main)
     # One process (-X) waits for its threads on SIGTERM, one of them maybe still waiting on

@@ -6,12 +6,14 @@ noticed at the second keep-alive, and the keep-alives hold a silent stream past 
 from __future__ import annotations
 
 import asyncio
+import re
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
+from tests.nginx import SiteTls
 from tests.proxies import (
     DEPLOY,
     assert_keepalives_hold_a_silent_prefill,
@@ -30,18 +32,32 @@ def plain(app_url: str, more: str = "") -> str:
     return f"ProxyPass / {app_url}/\n{more}\n"
 
 
-def deploy_config(app_url: str, port: int) -> str:
-    """docs/deploy/apache.conf with its port and the app's address substituted."""
+def deploy_config(app_url: str, port: int, tls: SiteTls | None = None) -> str:
+    """docs/deploy/apache.conf with its port and the app's address substituted.
+
+    With ``tls`` its TLS site (HTTP/2) is on ``tls.port`` with that certificate (for
+    ``running_apache(..., tls_port=tls.port)``); without, the site is left out, as a server
+    without a certificate would.
+    """
     text = (DEPLOY / "apache.conf").read_text()
-    return substituted(
-        text,
-        [
-            (r"<VirtualHost \*:8080>", f"<VirtualHost 127.0.0.1:{port}>"),
-            (r"/v1/ws http://127\.0\.0\.1:8000/v1/ws", f"/v1/ws {app_url}/v1/ws"),
-            (r"ProxyPass / http://127\.0\.0\.1:8000/", f"ProxyPass / {app_url}/"),
-            (r"ProxyPassReverse / http://127\.0\.0\.1:8000/", f"ProxyPassReverse / {app_url}/"),
-        ],
+    if tls is None:
+        text = substituted(text, [(r"(?s)\n# Browsers speak HTTP/2 .*</VirtualHost>\n", "")])
+    else:
+        text = substituted(
+            text,
+            [
+                (r"<VirtualHost \*:8443>", f"<VirtualHost 127.0.0.1:{tls.port}>"),
+                (r"SSLCertificateFile +\S+", f"SSLCertificateFile {tls.certificate}"),
+                (r"SSLCertificateKeyFile +\S+", f"SSLCertificateKeyFile {tls.key}"),
+            ],
+        )
+    text = substituted(text, [(r"<VirtualHost \*:8080>", f"<VirtualHost 127.0.0.1:{port}>")])
+    # Each site's proxy lines.
+    text, count = re.subn(
+        r"(?m)^( +Proxy\S+ /\S* )http://127\.0\.0\.1:8000", rf"\g<1>{app_url}", text
     )
+    assert count == (3 if tls is None else 6), count
+    return text
 
 
 async def test_defaults_stream_but_refuse_the_websocket_upgrade(tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 
 from replystream.server import create_app, running
+from tests.nginx import SiteTls
 from tests.processes import replica
 from tests.proxies import (
     DEPLOY,
@@ -37,13 +38,24 @@ def frontend(port: int, upstream: str, options: str = "") -> str:
     )
 
 
-def deploy_config(app_url: str, port: int) -> str:
-    """docs/deploy/haproxy.cfg, its port and upstream substituted, after a global section."""
+def deploy_config(app_url: str, port: int, tls: SiteTls | None = None) -> str:
+    """docs/deploy/haproxy.cfg, its port and upstream substituted, after a global section.
+
+    With ``tls`` its TLS listener (HTTP/2) is on ``tls.port`` with that certificate (HAProxy
+    takes it and its key in one file, written beside them); without, the listener is left
+    out, as a site without a certificate would.
+    """
     text = HAPROXY_GLOBAL + (DEPLOY / "haproxy.cfg").read_text()
+    tls_bind = ""
+    if tls is not None:
+        pem = tls.certificate.with_suffix(".with-key.pem")
+        pem.write_text(tls.certificate.read_text() + tls.key.read_text())
+        tls_bind = f"bind 127.0.0.1:{tls.port} ssl crt {pem} alpn h2,http/1.1"
     return substituted(
         text,
         [
             (r"bind :8080", f"bind 127.0.0.1:{port}"),
+            (r"bind :8443 ssl crt \S+ alpn h2,http/1\.1", tls_bind),
             (r"server app 127\.0\.0\.1:8000", f"server app {upstream_of(app_url)}"),
         ],
     )
