@@ -28,6 +28,7 @@ from replystream.lab.local_server import READY_PREFIX
 from tests.conftest import wait_for
 from tests.processes import launch, ready_url, stop
 from tests.rawhttp import raw_request
+from tests.test_gateway_workers import new_worker
 from tests.test_workers import alive, children_of
 
 pytestmark = pytest.mark.slow
@@ -607,3 +608,32 @@ async def test_a_full_filesystem_under_the_metrics_folder_leaves_the_server_serv
     assert process.stderr is not None
     said = told.decode() + (await process.stderr.read()).decode()
     assert "SIGBUS" not in said and "Traceback" not in said, said
+
+
+async def test_a_worker_killed_in_its_start_as_the_server_stops_had_no_replies_to_cut():
+    """A restarted worker still starting when the server stops has nothing to finish: killed
+    then (the OOM killer, a SIGKILL from outside), it was reported as "its replies were cut"
+    and the parent exited 1, as if clients had lost replies."""
+    async with parent(*SIMULATED, "--workers", "2") as process:
+        await ready_url(process)
+        workers = children_of(process.pid)
+        os.kill(workers[0], signal.SIGKILL)
+        now = await new_worker(process.pid, workers)
+        (starting,) = set(now) - set(workers)
+        # Held in its start (an import takes far longer than finding it): the parent's
+        # forwarded SIGTERM waits on it, and SIGKILL is how it ends.
+        os.kill(starting, signal.SIGSTOP)
+        os.kill(process.pid, signal.SIGTERM)
+        await until(lambda: not alive(workers[1]))  # the stop was forwarded to every worker
+        os.kill(starting, signal.SIGKILL)
+        assert process.stderr is not None
+        async with asyncio.timeout(30):
+            stderr = (await process.stderr.read()).decode()
+            status = await process.wait()
+    assert "is ready, in place of one that exited" not in stderr, stderr  # it was starting
+    assert "replies were cut" not in stderr, stderr
+    assert (
+        f"worker {starting} was killed by SIGKILL before it was ready, while the server "
+        "stopped: it had no replies"
+    ) in stderr, stderr
+    assert status == 0, stderr

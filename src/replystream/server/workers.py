@@ -408,12 +408,20 @@ class Supervisor:
     def _ended_in_the_stop(self, slot: Slot, pid: int, status: int) -> None:
         """A worker that exited once the server was stopping: gracefully is status 0 (or, one
         not serving yet, SIGTERM's own end: it had nothing to finish). Any other end of a
-        server that served cut its replies, so it is said, and in the exit status, as a worker
-        killed for not stopping."""
+        worker that served cut its replies, so it is said, and in the exit status, as a worker
+        killed for not stopping; one that ended otherwise in its own start (a restart) had no
+        replies to cut: what happened is said, and the stop stays graceful."""
         graceful = status == 0 or (status == -signal.SIGTERM and slot.serving_since is None)
         # Before the server was ready, a start that failed stops it: the others refusing too
         # (status 2, each said) or killed in their start have no replies to cut.
         if graceful or pid in self._killed or not self._announced:
+            return
+        if slot.serving_since is None:
+            log.warning(
+                "worker %d %s before it was ready, while the server stopped: it had no replies",
+                pid,
+                how_it_ended(status),
+            )
             return
         log.error(
             "worker %d %s while the server stopped: its replies were cut", pid, how_it_ended(status)
