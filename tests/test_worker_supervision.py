@@ -610,6 +610,11 @@ async def test_a_full_filesystem_under_the_metrics_folder_leaves_the_server_serv
     assert "SIGBUS" not in said and "Traceback" not in said, said
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP), as ``/proc`` says."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
 async def test_a_worker_killed_in_its_start_as_the_server_stops_had_no_replies_to_cut():
     """A restarted worker still starting when the server stops has nothing to finish: killed
     then (the OOM killer, a SIGKILL from outside), it was reported as "its replies were cut"
@@ -623,6 +628,8 @@ async def test_a_worker_killed_in_its_start_as_the_server_stops_had_no_replies_t
         # Held in its start (an import takes far longer than finding it): the parent's
         # forwarded SIGTERM waits on it, and SIGKILL is how it ends.
         os.kill(starting, signal.SIGSTOP)
+        # Stopped only when next scheduled: a SIGTERM pending by then would end it first.
+        await until(lambda: stopped(starting))
         os.kill(process.pid, signal.SIGTERM)
         await until(lambda: not alive(workers[1]))  # the stop was forwarded to every worker
         os.kill(starting, signal.SIGKILL)
