@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -27,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from replystream.lab.local_server import READY_PREFIX
 from tests.conftest import wait_for
 from tests.processes import launch, ready_url, stop
-from tests.rawhttp import raw_request
-from tests.test_gateway_workers import new_worker
+from tests.rawhttp import RawResponse, raw_request
+from tests.test_gateway_workers import Pinned, new_worker, pin_each_worker
 from tests.test_workers import alive, children_of
 
 pytestmark = pytest.mark.slow
@@ -644,3 +645,64 @@ async def test_a_worker_killed_in_its_start_as_the_server_stops_had_no_replies_t
         "stopped: it had no replies"
     ) in stderr, stderr
     assert status == 0, stderr
+
+
+async def said(process: asyncio.subprocess.Process, words: str) -> None:
+    """Read the server's stderr until a line with ``words``."""
+    assert process.stderr is not None
+    async with asyncio.timeout(30):
+        while words not in (await process.stderr.readline()).decode():
+            pass
+
+
+async def health(connection: Pinned) -> tuple[int, dict[str, str], dict[str, object]]:
+    """``GET /healthz`` on a kept-alive connection: its status, headers and body."""
+    connection.writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    response = RawResponse(connection.reader, connection.writer)
+    await response.read_head()
+    body = json.loads(await response.read_body(close=False))
+    return response.status, response.headers, body
+
+
+async def test_a_worker_stopping_alone_does_not_take_the_server_out_of_a_balancer():
+    """A balancer checks the one port all workers share, often over a kept-alive connection.
+    That connection's worker sent SIGTERM alone (the others serving on) answered 503
+    "shutting down": the balancer took the whole server out. It now answers for the server,
+    and closes the connection, so the next check reaches a serving worker; once the whole
+    server stops, every worker answers 503 as one process does."""
+    args = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0", "--tokens", "1000")
+    async with (
+        parent(*args, "--workers", "2", "--shutdown-grace-s", "60") as process,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        url = await ready_url(process)
+        workers = children_of(process.pid)
+        streams, checks, late_checks = [
+            await stack.enter_async_context(pin_each_worker(url, workers)) for _ in range(3)
+        ]
+        for connection in streams.values():  # a reply in flight keeps each worker draining
+            connection.writer.write(b"GET /stream HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            head = RawResponse(connection.reader, connection.writer)
+            await head.read_head()
+            assert head.status == 200
+        alone = workers[0]
+        os.kill(alone, signal.SIGTERM)
+        await said(process, "shutting down: 1 replies in flight")
+
+        status, headers, body = await health(checks[alone])
+        assert (status, body["status"]) == (200, "ok"), body
+        assert headers.get("connection") == "close"
+        for _ in range(5):  # a new connection: the kernel hands it to the worker serving
+            reply = await raw_request(f"{url}/healthz")
+            await reply.read_body()
+            assert reply.status == 200
+
+        os.kill(process.pid, signal.SIGTERM)  # the whole server stops now
+        await said(process, "shutting down: 1 replies in flight")
+        for pid in workers:
+            status, _, body = await health(late_checks[pid])
+            assert (status, body["reason"]) == (503, "shutting down"), body
+        for connection in streams.values():
+            await connection.aclose()
+        async with asyncio.timeout(30):
+            assert await process.wait() == 0

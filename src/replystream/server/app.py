@@ -57,6 +57,7 @@ from replystream.server.context import (
     MANAGER_KEY,
     METRICS_KEY,
     NATIVE_FORMAT,
+    SERVER_STOPS_KEY,
     STORE_KEY,
     buffered,
     caller_of,
@@ -268,11 +269,27 @@ async def handle_health(request: web.Request) -> web.StreamResponse:
     """``200 {"status": "ok"}`` while the engine can serve; ``503 {"status": "unavailable",
     "reason": ...}`` while it cannot (a relay whose upstream does not answer), so a load
     balancer sends requests elsewhere instead of to certain 502s; ``503`` too from the
-    moment shutdown begins, when every new reply is refused."""
-    engine = request.app[ENGINE_KEY]
-    if not request.app[MANAGER_KEY].accepting:
-        body = {"status": "unavailable", "engine": engine.name, "reason": "shutting down"}
-        return web.json_response(body, status=503)
+    moment shutdown begins, when every new reply is refused.
+
+    A worker of ``--workers`` stopping alone (sent SIGTERM by itself; the others serve the
+    port on) does not speak for the server with that 503: a balancer checking the port over
+    a kept-alive connection that landed on it would take the whole server out. It answers
+    as a serving worker would, and closes the connection, so the next check makes a new one,
+    which the kernel gives to a worker still listening."""
+    app = request.app
+    if not app[MANAGER_KEY].accepting:
+        server_stops = app.get(SERVER_STOPS_KEY)
+        if server_stops is None or server_stops():
+            body = {"status": "unavailable", "engine": app[ENGINE_KEY].name}
+            return web.json_response({**body, "reason": "shutting down"}, status=503)
+        response = await engine_health(app[ENGINE_KEY])
+        response.force_close()
+        return response
+    return await engine_health(app[ENGINE_KEY])
+
+
+async def engine_health(engine: Engine) -> web.Response:
+    """``/healthz``'s answer from what the engine says of itself."""
     readiness = await engine.readiness()
     if readiness.ready:
         return web.json_response({"status": "ok", "engine": engine.name})

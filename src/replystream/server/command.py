@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 from replystream import settings, start_hangup
@@ -27,7 +28,7 @@ from replystream.delivery.moderation import BannedPhrases, Check, RegexCheck, se
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import MemoryReplayStore, ReplayStore
 from replystream.engine.base import Engine
-from replystream.server import engine_options, log_sink
+from replystream.server import engine_options, log_sink, metrics_dir
 from replystream.server.api_keys import collect_keys
 from replystream.server.guard_config import GuardConfig
 from replystream.server.listening import REFUSED_EXIT, bind_socket, listening_lines
@@ -326,6 +327,11 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # a worker's metric files (``metric_files``): its filesystem full
         refuse(exc)
         return REFUSED_EXIT
+    if args.parent_pid is not None:  # a worker: its own stop may not be the server's
+        from replystream.server.context import SERVER_STOPS_KEY
+
+        server_stops: Callable[[], bool] = partial(metrics_dir.server_stops, args.parent_pid)
+        app[SERVER_STOPS_KEY] = server_stops
     rereads = None
     if reloads:
         from replystream.server import reload

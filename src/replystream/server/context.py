@@ -85,6 +85,10 @@ MANAGER_KEY = web.AppKey("manager", ReplyManager)
 KEEPALIVE_CLOCK_KEY = web.AppKey("keepalive_clock", KeepaliveClock)
 STORE_KEY = web.AppKey("store", ReplayStore)  # where resumable replies are logged
 LOCAL_STORE_KEY = web.AppKey("local_store", MemoryReplayStore)  # the rest
+# In a worker of ``--workers``: whether the whole server stops (its parent said so, or is
+# gone) rather than this worker alone, the others serving the port on. Absent in one
+# process, whose stop is the server's.
+SERVER_STOPS_KEY: web.AppKey[Callable[[], bool]] = web.AppKey("server_stops")
 
 # Per-key metrics name a key by this much of its SHA-256 digest: enough to tell keys apart,
 # and an operator finds theirs with ``sha256sum``; the key itself is never written anywhere.

@@ -4,10 +4,11 @@ prometheus-client's multiprocess mode keeps each process's values in files of on
 (``PROMETHEUS_MULTIPROC_DIR``). The workers share one more thing through it, in a folder of
 its own inside (``SLOTS_FOLDER``): the relay's upstreams' slots of requests at once
 (``engine/upstream_slots``), so that a limit holds for the whole server; they live and go
-with the metrics. The parent makes a fresh one under the temp directory and
-removes it when it returns, but a parent killed outright (SIGKILL, the OOM killer) cannot,
-and nothing else would. So the folder's name says who owns it, and each parent, as it starts,
-removes the folders whose owners are gone.
+with the metrics; and one file, ``STOPPING_FILE``, once the whole server stops. The parent
+makes a fresh one under the temp directory and removes it when it returns, but a parent
+killed outright (SIGKILL, the OOM killer) cannot, and nothing else would. So the folder's
+name says who owns it, and each parent, as it starts, removes the folders whose owners are
+gone.
 
 The owner is a process id and that process's start time (``/proc/PID/stat``), both in the
 name, written when the folder is made (a file inside would leave a moment where a folder
@@ -51,6 +52,10 @@ log = logging.getLogger("replystream.server")
 FOLDER_PREFIX = "replystream-metrics-"
 # Inside it: the upstreams' shared limits (not a metric file: prometheus-client reads *.db).
 SLOTS_FOLDER = "upstream-slots"
+# Inside it too: made by the parent as the whole server begins to stop, before it signals the
+# workers, so that a worker stopping can tell that stop from one of its own (a SIGTERM sent to
+# it alone, the others serving on).
+STOPPING_FILE = "stopping"
 # replystream-metrics-PID-STARTED-RANDOM (the random part is tempfile's).
 _OWNED_FOLDER = re.compile(re.escape(FOLDER_PREFIX) + r"(\d+)-(\d+)-[^/]+")
 # prometheus-client names each process's files KIND_PID.db (gauges KIND_MODE_PID.db).
@@ -182,6 +187,21 @@ def absorb(folder: str, pid: int) -> None:
             finally:
                 gone.close()  # type: ignore[no-untyped-call]
             os.remove(path)
+
+
+def mark_stopping(folder: str) -> None:
+    """The parent: the whole server stops now (``server_stops`` tells the workers)."""
+    with contextlib.suppress(OSError):  # unsaid, a worker's /healthz answers as its own stop
+        os.close(os.open(os.path.join(folder, STOPPING_FILE), os.O_CREAT | os.O_WRONLY, 0o600))
+
+
+def server_stops(parent_pid: int) -> bool:
+    """In a worker of ``--workers`` whose parent is ``parent_pid``: whether the whole server
+    stops (the parent said so, or is gone), rather than this worker alone."""
+    folder = os.environ.get(MULTIPROCESS_DIR_ENV)
+    if folder is None or os.getppid() != parent_pid:
+        return True
+    return os.path.exists(os.path.join(folder, STOPPING_FILE))
 
 
 def shared_slots_folder() -> Path | None:

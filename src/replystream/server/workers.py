@@ -451,6 +451,10 @@ class Supervisor:
         self._forward(signal.SIGTERM, None)
 
     def _forward(self, signum: int, _frame: object) -> None:
+        if not self._stopping:
+            # Before the workers hear of it: each then answers /healthz for a server that
+            # stops, not for a worker stopping alone while the others serve.
+            metrics_dir.mark_stopping(self._folder)
         self._stopping, self._stop_signal = True, signum
         if self._kill_at is None:
             self._kill_at = time.monotonic() + self._kill_after_s
