@@ -373,6 +373,10 @@ CASES: list[tuple[list[str], str]] = [
     (["bench", "http://127.0.0.1:9/stream", "--rate", "0"], "argument --rate: want a number > 0"),
     # bench, doctor: a path that names no endpoint would get every request wrong
     (["bench", "http://127.0.0.1:9"], "names no endpoint (one ending in /completions, "),
+    # An unclosed IPv6 bracket: argparse's own "invalid web_url value" named no form
+    (["bench", "http://[::1"], "argument url: want http(s)://HOST[:PORT]/PATH (an IPv6 host"),
+    (["doctor", "http://[zz]/"], "argument url: want http(s)://HOST[:PORT]/PATH (an IPv6 host"),
+    (["lab", "--url", "http://[::1"], "argument --url: want http://HOST[:PORT]/PATH (an IPv6"),
     (["bench", "http://127.0.0.1:9/v1/"], "or name its request shape with --api"),
     (["doctor", "http://127.0.0.1:9/v1"], "or name its request shape with --api"),
     (

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from replystream.settings import default_worth_stating
 
@@ -134,9 +134,18 @@ def _port(text: str) -> int:
 port = Checker("a port from 0 to 65535 (0 picks a free one)", _port)
 
 
+def _split_url(text: str, wants: str) -> SplitResult:
+    try:
+        return urlsplit(text)
+    except ValueError:  # an unclosed [, or brackets around what is no IPv6 address
+        raise argparse.ArgumentTypeError(
+            f"{wants} (an IPv6 host in brackets: http://[::1]:8000), got {text!r}"
+        ) from None
+
+
 def http_url(text: str) -> str:
     """An ``http://HOST[:PORT]/...`` URL, for the tools that measure plain HTTP only."""
-    parts = urlsplit(text)
+    parts = _split_url(text, "want http://HOST[:PORT]/PATH")
     if parts.scheme != "http" or not parts.hostname:
         why = (
             "https is not spoken here (measure the app's own http:// address, or a "
@@ -150,7 +159,7 @@ def http_url(text: str) -> str:
 
 def web_url(text: str) -> str:
     """An ``http://`` or ``https://HOST[:PORT]/...`` URL."""
-    parts = urlsplit(text)
+    parts = _split_url(text, "want http(s)://HOST[:PORT]/PATH")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"want http(s)://HOST[:PORT]/PATH, got {text!r}")
     return _measured_target(text)
