@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -371,3 +372,72 @@ def test_the_modes_are_compared_over_the_calls_complete_in_both():
     assert result["first_text_sooner_ms"] == 990.0
     assert result["total_median_diff_ms"] == 1.0
     assert result["wait"]["first_text_ms"]["median"] == 3000.0  # each mode's own row: all
+
+
+def _stalling_app(
+    stall: Callable[[web.Request], bool],
+) -> tuple[web.Application, list[str], list[str]]:
+    """A lab server whose requests ``stall`` picks never answer; the rest are served. The
+    queries of the requests that came, and of those that ended, are listed."""
+    came: list[str] = []
+    ended: list[str] = []
+
+    @web.middleware
+    async def hold(request: web.Request, handler: Handler) -> web.StreamResponse:
+        came.append(request.query_string)
+        if stall(request):
+            await asyncio.Event().wait()  # until the lab hangs up
+        response = await handler(request)
+        ended.append(request.query_string)
+        return response
+
+    app = create_app(fast_engine())
+    app.middlewares.insert(0, hold)
+    return app, came, ended
+
+
+async def _lab_interrupted_once(
+    url: str, ready: Callable[[], bool], *args: str
+) -> tuple[int | None, str, str]:
+    """``replystream lab --url URL ARGS``, sent one Ctrl-C once ``ready`` holds: its exit
+    status, stdout and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        *LAB, "--url", url, "--timeout", "120", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    await wait_for(ready, timeout_s=60)
+    process.send_signal(signal.SIGINT)
+    async with asyncio.timeout(30):
+        out, err = await process.communicate()
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_ctrl_c_reports_the_calls_that_ended_and_says_the_run_was_cut():
+    # Call 1 of each mode (seed 43) never ends; the others do. Ctrl-C, the only way out
+    # before --timeout, threw away the calls that had ended and said nothing at all.
+    app, _, ended = _stalling_app(lambda request: request.query.get("seed") == "43")
+    async with running(app) as url:
+        measured = lambda: sum("seed=" in query for query in ended) == 4  # noqa: E731
+        code, out, err = await _lab_interrupted_once(url, measured, "--calls", "3", "--json")
+    assert code == 130, err
+    assert "Traceback" not in err
+    result = json.loads(out)
+    assert result["interrupted"] is True
+    for mode in ("wait", "stream"):
+        assert (result[mode]["calls"], result[mode]["complete"]) == (3, 2)
+        assert result[mode]["errors"] == ["interrupted (Ctrl-C) before it ended"]
+        assert result[mode]["total_ms"]["median"] is not None
+    assert result["compared_calls"] == 2
+    assert result["first_text_sooner_ms"] is not None
+
+
+async def test_ctrl_c_before_the_calls_were_sent_says_nothing_was_measured():
+    # The warm-up call never ends: Ctrl-C there ended the lab without a word.
+    app, came, _ = _stalling_app(lambda request: request.query.get("max_tokens") == "1")
+    async with running(app) as url:
+        code, out, err = await _lab_interrupted_once(url, lambda: bool(came), "--json")
+    assert code == 130, err
+    assert out == ""
+    assert err.strip().splitlines() == [
+        "replystream lab: interrupted (Ctrl-C) before the calls were sent: nothing was measured"
+    ]

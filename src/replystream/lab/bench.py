@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from rich.progress import TextColumn
 
@@ -27,6 +26,7 @@ from replystream.lab.bench_config import config_from_args
 from replystream.lab.bench_csv import write_csv
 from replystream.lab.bench_report import render, render_sweep
 from replystream.lab.benchstats import summarize
+from replystream.lab.ctrl_c import on_ctrl_c
 from replystream.lab.load import run_load
 from replystream.lab.load_types import LoadConfig, LoadRun, RequestRecord
 from replystream.lab.progress_bar import progress_bar
@@ -36,7 +36,6 @@ from replystream.lab.sweep import RunNotMade, SweepConfig, run_sweep
 from replystream.lab.whole_file import write_text_whole
 from replystream.lab.workload import MODEL_APIS
 
-T = TypeVar("T")
 # 128 + SIGINT, as a shell reports a process Ctrl-C stopped (cli.INTERRUPTED_EXIT: nothing
 # here imports the command line's entry point).
 INTERRUPTED_EXIT = 130
@@ -59,27 +58,6 @@ class SweepInterrupted(Interrupted, RunNotMade):
     def __init__(self) -> None:
         reason = "interrupted (Ctrl-C) in the sweep's first run: nothing was measured"
         super().__init__(reason, what="was interrupted (Ctrl-C): the sweep ends there")
-
-
-async def _on_ctrl_c(work: Callable[[asyncio.Event], Awaitable[T]]) -> T:
-    """``work(interrupt)``, with the first Ctrl-C setting ``interrupt``: the run stops and
-    what ended is reported, as load tools do. A second Ctrl-C stops at once."""
-    loop = asyncio.get_running_loop()
-    interrupt = asyncio.Event()
-
-    def first() -> None:
-        interrupt.set()
-        # Python's own handler again: the next Ctrl-C raises KeyboardInterrupt (exit 130).
-        loop.remove_signal_handler(signal.SIGINT)
-
-    try:
-        loop.add_signal_handler(signal.SIGINT, first)
-    except (RuntimeError, ValueError):  # not the main thread (bench called from a program)
-        return await work(interrupt)
-    try:
-        return await work(interrupt)
-    finally:
-        loop.remove_signal_handler(signal.SIGINT)
 
 
 async def _run(config: LoadConfig, quiet: bool, interrupt: asyncio.Event) -> LoadRun:
@@ -125,7 +103,7 @@ async def _sweep(
 
         return await run_sweep(config, sweep, step), interrupt.is_set()
 
-    return await _on_ctrl_c(one)
+    return await on_ctrl_c(one)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         if args.profile == "sweep":
             result, interrupted = asyncio.run(_sweep(config, sweep, args.quiet))
         else:
-            load_run = asyncio.run(_on_ctrl_c(lambda stop: _run(config, args.quiet, stop)))
+            load_run = asyncio.run(on_ctrl_c(lambda stop: _run(config, args.quiet, stop)))
     except Interrupted as exc:
         print(f"replystream bench: {exc}", file=sys.stderr)
         return INTERRUPTED_EXIT

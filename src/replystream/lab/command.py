@@ -28,7 +28,8 @@ from replystream.client.transport import ConnectError, TransportError
 from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.engine.seeds import MAX_SEED
 from replystream.lab.client_options import add_header_argument
-from replystream.lab.experiment import MODES, LabConfig, LabRun, run_experiment
+from replystream.lab.ctrl_c import on_ctrl_c
+from replystream.lab.experiment import MODES, Interrupted, LabConfig, LabRun, run_experiment
 from replystream.lab.local_server import local_server
 from replystream.lab.open_files import OWN_FILES, make_room
 from replystream.lab.progress_bar import progress_bar
@@ -37,6 +38,10 @@ from replystream.lab.whole_file import write_text_whole
 
 # What the lab writes in --out: the first call's arrivals, and their plot.
 TIMELINE_FILES = ("timeline.json", "timeline.png")
+
+# 128 + SIGINT, as a shell reports a process Ctrl-C stopped (cli.INTERRUPTED_EXIT: nothing
+# here imports the command line's entry point).
+INTERRUPTED_EXIT = 130
 
 # The paths of the modes, which the lab adds to --url itself.
 MODE_PATHS = tuple(f"/{mode}" for mode in MODES)
@@ -208,6 +213,12 @@ def render_table(result: dict[str, Any], console: Console) -> None:
             f"{row['complete']}/{row['calls']}",
         )
     console.print(table)
+    if result["interrupted"]:
+        console.print(
+            "Interrupted (Ctrl-C): the calls under way were cut, and count as incomplete; "
+            "the figures are of the calls that had ended.",
+            highlight=False,
+        )
     for mode in MODES:
         row = result[mode]
         if row["complete"] < row["calls"]:
@@ -231,7 +242,7 @@ def render_table(result: dict[str, Any], console: Console) -> None:
     )
 
 
-async def _run(config: LabConfig, quiet: bool) -> LabRun:
+async def _run(config: LabConfig, quiet: bool, interrupt: asyncio.Event) -> LabRun:
     total = config.calls * len(MODES)
     with progress_bar("[bold]lab[/]", quiet=quiet) as progress:
         task = progress.add_task("calls", total=total)
@@ -240,9 +251,9 @@ async def _run(config: LabConfig, quiet: bool) -> LabRun:
             progress.advance(task)
 
         if config.url:
-            return await run_experiment(config, config.url, on_done)
+            return await run_experiment(config, config.url, on_done, interrupt)
         async with local_server(config.server_args()) as url:
-            return await run_experiment(config, url, on_done)
+            return await run_experiment(config, url, on_done, interrupt)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -273,7 +284,10 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        lab_run = asyncio.run(_run(config, quiet=args.json))
+        lab_run = asyncio.run(on_ctrl_c(lambda stop: _run(config, args.json, stop)))
+    except Interrupted as exc:
+        print(f"replystream lab: {exc}", file=sys.stderr)
+        return INTERRUPTED_EXIT
     except TransportError as exc:
         # Only a refused connection says nothing listens there; any other failure (no file
         # left for a socket, a reset) is said as it is.
@@ -308,6 +322,8 @@ def run(args: argparse.Namespace) -> int:
         if wrote is not None:
             console.print(wrote, markup=False)
         print("RESULT " + json.dumps(result))
+    if lab_run.interrupted:
+        return INTERRUPTED_EXIT
     if out is not None and wrote is None:
         return 1
     complete = all(result[mode]["complete"] == result[mode]["calls"] for mode in MODES)

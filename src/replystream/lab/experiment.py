@@ -15,6 +15,7 @@ from urllib.parse import urlencode, urlsplit
 
 from replystream.client import ReplyTiming, measure_reply
 from replystream.client.transport import ConnectError, Connection, connect
+from replystream.lab.ctrl_c import unless_interrupted
 from replystream.stats import percentile
 
 MODES = ("wait", "stream")
@@ -22,6 +23,10 @@ MODES = ("wait", "stream")
 
 class WarmUpFailed(RuntimeError):
     """A mode's first, unmeasured call did not complete: nothing would be measured."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped the run before its calls were sent: nothing was measured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +77,12 @@ class LabConfig:
 
 @dataclass(frozen=True, slots=True)
 class LabRun:
-    """Every reply each mode received, in call order."""
+    """Every reply each mode received, in call order; ``interrupted``: Ctrl-C cut the calls
+    still under way (each says so as its error)."""
 
     config: LabConfig
     timings: dict[str, list[ReplyTiming]]
+    interrupted: bool = False
 
     def summary(self) -> dict[str, Any]:
         """The machine-readable result (the ``--json`` contract)."""
@@ -107,6 +114,7 @@ class LabRun:
             )
             if wait is not None and stream is not None
         ]
+        result["interrupted"] = self.interrupted
         result["compared_calls"] = len(pairs)
         both = bool(pairs)
         if both:
@@ -178,54 +186,116 @@ def _median_p95(values: list[float]) -> dict[str, float | None]:
 
 
 async def run_experiment(
-    config: LabConfig, url: str, on_done: Callable[[str, ReplyTiming], None] | None = None
+    config: LabConfig,
+    url: str,
+    on_done: Callable[[str, ReplyTiming], None] | None = None,
+    interrupt: asyncio.Event | None = None,
 ) -> LabRun:
-    """Fire every call of both modes at once against ``url`` and collect their timings."""
+    """Fire every call of both modes at once against ``url`` and collect their timings.
+
+    ``interrupt``: once set (a user's Ctrl-C), the calls still under way are cut and counted
+    incomplete, and the run returns what ended before, marked ``interrupted``.
+
+    Raises:
+        Interrupted: ``interrupt`` was set before the calls were sent.
+    """
 
     async def one(mode: str, index: int, connection: Connection) -> ReplyTiming:
         params = {"seed": config.seed + index}
         if config.tokens is not None:
             params["max_tokens"] = config.tokens
         query = urlencode(params)
-        timing = await measure_reply(
-            f"{url}/{mode}?{query}",
-            headers=config.headers,
-            connection=connection,
-            timeout_s=config.timeout_s,
-        )
+        call_url = f"{url}/{mode}?{query}"
+        try:
+            timing = await measure_reply(
+                call_url,
+                headers=config.headers,
+                connection=connection,
+                timeout_s=config.timeout_s,
+            )
+        except asyncio.CancelledError:
+            if interrupt is None or not interrupt.is_set():
+                raise
+            timing = _cut(call_url, mode)
         if on_done is not None:
             on_done(mode, timing)
         return timing
 
-    # One short call per mode first, so one-time costs (code paths run for the first time)
-    # are not charged to the measured calls. One that fails says the calls would fail too
-    # (no such route, a server that does not answer): the run stops there, saying why.
-    # Its connection is made as the calls' are, so a server not there is said as for them.
-    for mode in MODES:
-        warm_up = f"{url}/{mode}?max_tokens=1"
-        warm = await _connect(url, config.timeout_s)
-        timing = await measure_reply(
-            warm_up, headers=config.headers, connection=warm, timeout_s=config.timeout_s
-        )
-        if not timing.complete:
-            raise WarmUpFailed(f"the warm-up call GET {warm_up} failed: {timing.error}")
+    async def warm_up() -> None:
+        # One short call per mode first, so one-time costs (code paths run for the first
+        # time) are not charged to the measured calls. One that fails says the calls would
+        # fail too (no such route, a server that does not answer): the run stops there,
+        # saying why. Its connection is made as the calls' are, so a server not there is
+        # said as for them.
+        for mode in MODES:
+            warm_up = f"{url}/{mode}?max_tokens=1"
+            warm = await _connect(url, config.timeout_s)
+            timing = await measure_reply(
+                warm_up, headers=config.headers, connection=warm, timeout_s=config.timeout_s
+            )
+            if not timing.complete:
+                raise WarmUpFailed(f"the warm-up call GET {warm_up} failed: {timing.error}")
 
     # Connections are opened first, as a client with warm connections has them, so "all at
     # once" means all requests written in one burst and connection setup is not timed.
     connections: dict[str, list[Connection]] = {mode: [] for mode in MODES}
-    try:
+
+    async def connect_all() -> None:
         for mode in MODES:
             for _ in range(config.calls):
                 connections[mode].append(await _connect(url, config.timeout_s))
+
+    tasks: dict[str, list[asyncio.Task[ReplyTiming]]] = {}
+
+    async def calls() -> None:
         async with asyncio.TaskGroup() as group:
-            tasks = {
-                mode: [group.create_task(one(mode, i, c)) for i, c in enumerate(connections[mode])]
-                for mode in MODES
-            }
+            for mode in MODES:
+                tasks[mode] = [
+                    group.create_task(one(mode, i, c)) for i, c in enumerate(connections[mode])
+                ]
+
+    try:
+        cut = await unless_interrupted(interrupt, warm_up()) or await unless_interrupted(
+            interrupt, connect_all()
+        )
+        interrupted = cut or await unless_interrupted(interrupt, calls())
+        if len(tasks) < len(MODES):  # cut before the calls were made
+            raise Interrupted(
+                "interrupted (Ctrl-C) before the calls were sent: nothing was measured"
+            )
     finally:
         # Each call closes its own; these are the ones a failure left unused (a connect that
         # failed part way, calls cancelled before they began).
         for opened in connections.values():
             for connection in opened:
                 connection.close()
-    return LabRun(config, {mode: [t.result() for t in tasks[mode]] for mode in MODES})
+    timings = {mode: [_ended(t, mode, url) for t in tasks[mode]] for mode in MODES}
+    return LabRun(config, timings, interrupted=interrupted)
+
+
+INTERRUPTED = "interrupted (Ctrl-C) before it ended"
+
+
+def _cut(url: str, mode: str) -> ReplyTiming:
+    """A call the user's Ctrl-C cut before it ended: incomplete, and saying why."""
+    return ReplyTiming(
+        url=url,
+        streamed=mode == "stream",
+        complete=False,
+        error=INTERRUPTED,
+        status=None,
+        headers_ms=None,
+        first_chunk_ms=None,
+        first_text_ms=None,
+        last_text_ms=None,
+        closed_ms=0.0,
+        body_bytes=0,
+        text="",
+        tokens=0,
+    )
+
+
+def _ended(task: asyncio.Task[ReplyTiming], mode: str, url: str) -> ReplyTiming:
+    # A call cancelled before its first step (the interrupt came as the calls were made)
+    # never reached its own handler of the cut.
+    return _cut(f"{url}/{mode}", mode) if task.cancelled() else task.result()

@@ -19,11 +19,11 @@ import contextlib
 import random
 import ssl
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 from replystream.client import Backoff, measure_reply
 from replystream.client.transport import Headers
+from replystream.lab.ctrl_c import unless_interrupted
 from replystream.lab.drop_resume import ResumeOutcome, drop_and_resume
 from replystream.lab.load_types import LoadConfig, LoadRun, RequestRecord
 from replystream.lab.server_metrics import Scrape, ScrapeError, scrape, scrape_when_idle
@@ -85,7 +85,7 @@ async def run_load(
         # One request first, not recorded, so one-time costs (first code paths, connection
         # pools behind the URL) are not charged to the measured requests.
         warmup = _conversation(config, -1, 0.0, reachability.saw, turns=1)
-        if await _unless_interrupted(interrupt, warmup):
+        if await unless_interrupted(interrupt, warmup):
             return LoadRun(config, (), 0.0, 0.0, interrupted=True)
         if reachability.refusal is not None:
             return LoadRun(config, (), 0.0, 0.0, unreachable=reachability.refusal)
@@ -178,7 +178,7 @@ async def run_load(
                 )
             )
         try:
-            interrupted = await _unless_interrupted(interrupt, issue())
+            interrupted = await unless_interrupted(interrupt, issue())
         finally:
             # The run is over when its last reply ended: a scrape still waiting on a slow
             # /metrics then is no part of its wall time (which throughput divides by), and
@@ -207,23 +207,6 @@ async def run_load(
         interrupted,
         tuple(sorted(in_flight.values())),
     )
-
-
-async def _unless_interrupted(
-    interrupt: asyncio.Event | None, work: Coroutine[Any, Any, object]
-) -> bool:
-    """Await ``work``, or cancel it once ``interrupt`` is set; True if it was cancelled."""
-    if interrupt is None:
-        await work
-        return False
-    async with asyncio.TaskGroup() as group:
-        working = group.create_task(work)
-        waiting = group.create_task(interrupt.wait())
-        await asyncio.wait((working, waiting), return_when=asyncio.FIRST_COMPLETED)
-        cut = not working.done()
-        working.cancel()
-        waiting.cancel()
-    return cut
 
 
 class _Reachability:
