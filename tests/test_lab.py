@@ -441,3 +441,35 @@ async def test_ctrl_c_before_the_calls_were_sent_says_nothing_was_measured():
     assert err.strip().splitlines() == [
         "replystream lab: interrupted (Ctrl-C) before the calls were sent: nothing was measured"
     ]
+
+
+def test_the_timeline_shows_a_pair_complete_in_both_modes_and_marks_an_incomplete_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # Call 0 of the stream failed: its text so far drawn as "stream" read as a whole, shorter
+    # reply. The first pair complete in both is shown instead, and it says which call it is.
+    waits = [_timing(t, t, streamed=False) for t in (1000.0, 2000.0)]
+    streams = [_timing(None, None, streamed=True), _timing(10.0, 2001.0, streamed=True)]
+    run = LabRun(LabConfig(calls=2), {"wait": waits, "stream": streams})
+    timeline = run.timeline()
+    assert {mode: (data["call"], data["seed"]) for mode, data in timeline.items()} == {
+        "wait": (1, 43),
+        "stream": (1, 43),
+    }
+    assert timeline["wait"]["total_ms"] == 2000.0 and timeline["stream"]["complete"] is True
+    # No pair complete in both: call 0 is shown, and the legend says it did not complete.
+    alone = LabRun(LabConfig(calls=1), {"wait": waits[:1], "stream": streams[:1]}).timeline()
+    assert alone["stream"]["call"] == 0 and alone["stream"]["error"] == "cut"
+    import matplotlib.pyplot as plt
+
+    from replystream.lab import plots
+
+    drawn: list[object] = []
+    monkeypatch.setattr(plt, "close", drawn.append)
+    plots.plot_timeline(alone, tmp_path / "timeline.png")
+    (figure,) = drawn
+    legend = figure.axes[0].get_legend()  # type: ignore[attr-defined]
+    assert [text.get_text() for text in legend.get_texts()] == [
+        "wait",
+        "stream: incomplete (cut)",
+    ]

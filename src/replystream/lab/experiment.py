@@ -136,10 +136,20 @@ class LabRun:
         return result
 
     def timeline(self) -> dict[str, Any]:
-        """Word-by-word arrival times of the first call of each mode (``timeline.json``)."""
+        """Word-by-word arrival times of one call of each mode (``timeline.json``): the first
+        pair complete in both modes (call i of each asks for the same reply), else call 0."""
+        pairs = zip(self.timings["wait"], self.timings["stream"], strict=True)
+        index = next(
+            (
+                i
+                for i, (w, s) in enumerate(pairs)
+                if _times(w) is not None and _times(s) is not None
+            ),
+            0,
+        )
         out: dict[str, Any] = {}
         for mode in MODES:
-            timing = self.timings[mode][0]
+            timing = self.timings[mode][index]
             arrivals = []
             offset = 0
             for at, chars in zip(timing.text_event_ms, timing.text_event_chars, strict=True):
@@ -148,7 +158,10 @@ class LabRun:
                 )
                 offset += chars
             out[mode] = {
+                "call": index,
+                "seed": self.config.seed + index,
                 "complete": timing.complete,
+                "error": timing.error,
                 "headers_ms": timing.headers_ms,
                 "first_text_ms": timing.first_text_ms,
                 "total_ms": timing.last_text_ms,
