@@ -75,6 +75,11 @@ ANTHROPIC_DETAIL_CODES = frozenset({"thread_unsupported_request"})
 # Whatever kind of response ``in_route_shape`` is given, it gives back (or a reshaped one).
 AnyResponse = TypeVar("AnyResponse", bound=web.StreamResponse)
 _KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate", "X-Reply-Id", "X-Should-Retry")
+# The longest ``Retry-After`` a client's SDK is left to sleep through before asking again: the
+# openai SDK's own bound (past it, it gives up). The anthropic SDK has none: told an hour (an
+# upstream's quota, passed on), it would hang its caller for an hour before each of its two
+# retries. Past this, ``X-Should-Retry: false`` tells both to hand the refusal to their caller.
+RETRY_WAIT_LIMIT_S = 120.0
 
 
 def retry_after_value(wait_s: float) -> str:
@@ -97,10 +102,12 @@ def error_response(
     response[API_ERROR] = (message, code, param)
     if retry_after_s is not None:
         response.headers["Retry-After"] = retry_after_value(retry_after_s)
-    if status == 409:
+    too_long = retry_after_s is not None and retry_after_s > RETRY_WAIT_LIMIT_S
+    if status == 409 or too_long:
         # The openai and anthropic SDKs retry a 409 twice by default (a lock another request
         # held, in their APIs). Ours is a reply that has ended: asking again changes nothing,
-        # and their header says so, so the client has its answer at once.
+        # and their header says so, so the client has its answer at once. So does a wait
+        # longer than a client should sleep unasked (``RETRY_WAIT_LIMIT_S``).
         response.headers["X-Should-Retry"] = "false"
     return response
 
