@@ -4,6 +4,7 @@ descriptor left for an upstream connection says so, and takes no upstream out fo
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -86,16 +87,20 @@ def test_out_of_file_descriptors_the_log_says_so_in_a_line_a_pause(
     assert all(line.endswith("paused for 1 s: too many open files") for line in paused), paused
 
 
-def started(command: tuple[str, ...], most: int | None = None) -> tuple[subprocess.Popen[str], str]:
-    """``replystream serve`` with ``command``'s flags (under ``ulimit -n most``), and its URL
-    once it listens."""
-    process = subprocess.Popen(
-        (sys.executable, "-m", "replystream", "serve", "--port", "0", *command),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        preexec_fn=None if most is None else lambda: limited(most),
-    )
+def started(
+    command: tuple[str, ...], most: int | None = None, stderr: Path | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """``replystream serve`` with ``command``'s flags (under ``ulimit -n most``; its log in
+    the file ``stderr``), and its URL once it listens."""
+    with contextlib.ExitStack() as files:
+        log = subprocess.DEVNULL if stderr is None else files.enter_context(stderr.open("w"))
+        process = subprocess.Popen(
+            (sys.executable, "-m", "replystream", "serve", "--port", "0", *command),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            preexec_fn=None if most is None else lambda: limited(most),
+        )
     assert process.stdout is not None
     found = re.search(r"listening on (http://\S+)", process.stdout.readline())
     assert found is not None
@@ -241,3 +246,63 @@ def test_out_of_file_descriptors_the_chat_pages_assets_are_still_served() -> Non
             client.close()
         process.terminate()
         process.communicate(timeout=30)
+
+
+def streaming_request(stream: bool) -> bytes:
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "stream": stream, "max_tokens": 900}
+    )
+    return (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+    ).encode()
+
+
+def test_a_request_waiting_for_room_out_of_descriptors_tells_it_once_as_it_begins_and_ends(
+    tmp_path: Path,
+) -> None:
+    """While a request waited for room at an upstream whose limit the workers share, each
+    poll of its line (every 10-30 ms) logged ``cannot see the other workers' lines: [Errno
+    24] Too many open files``: about 140 lines in 3 s of shortage."""
+    upstream, upstream_url = started(("--engine", "simulated", "--delay-ms", "100"))
+    options = (
+        "--engine", f"upstream:{upstream_url}/v1", "--workers", "2",
+        "--upstream-max-outstanding", "1", "--upstream-queue-s", "60",
+    )  # fmt: skip
+    relay, url = started(options, most=64, stderr=tmp_path / "stderr")
+    host, port = url.removeprefix("http://").split(":")
+    clients: list[socket.socket] = []
+    try:
+        holding = socket.create_connection((host, int(port)), timeout=10)
+        clients.append(holding)
+        holding.sendall(streaming_request(True))  # 90 s of tokens: it holds the only slot
+        assert holding.recv(20).startswith(b"HTTP/1.1 200")
+        waiting = socket.create_connection((host, int(port)), timeout=10)
+        clients.append(waiting)
+        waiting.sendall(streaming_request(False))  # waits in its worker's line, which polls
+        time.sleep(0.3)
+        for _ in range(300):  # more than both workers may open: they open all they can
+            try:
+                clients.append(socket.create_connection((host, int(port)), timeout=1))
+            except OSError:
+                break  # the listening socket's backlog is full
+        time.sleep(2)
+        for client in clients[2:]:
+            client.close()
+        del clients[2:]
+        deadline = time.monotonic() + 10  # its next poll finds room for descriptors again
+        while "succeeds again" not in (tmp_path / "stderr").read_text():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        for client in clients:
+            client.close()
+        for process in (relay, upstream):
+            process.terminate()
+            process.communicate(timeout=30)
+    lines = (tmp_path / "stderr").read_text().splitlines()
+    told = [line for line in lines if "the other workers' lines" in line]
+    assert len(told) == 2, (len(told), told[:3])
+    assert told[0].endswith("(told again once it succeeds)") and "Too many open files" in told[0]
+    assert "succeeds again, after failing for" in told[1], told

@@ -19,7 +19,9 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from replystream.delivery.redis_link import HEARTBEAT_S, OutageLog, RedisLink
+from replystream.delivery.redis_connect import error_text
+from replystream.delivery.redis_link import HEARTBEAT_S, RedisLink
+from replystream.outage_log import OutageLog
 
 log = logging.getLogger("replystream.redis_store")
 
@@ -40,7 +42,7 @@ class CancelChannel:
         self.listening = asyncio.Event()  # set while subscribed
         # A listener that cannot subscribe (Redis down, an ACL without the channel) is told
         # once as it begins and once as it ends: cancels still come, at the heartbeats.
-        self._outage = OutageLog(log, "listening for cancels on a Redis channel")
+        self._outage = OutageLog(log, "listening for cancels on a Redis channel", error_text)
 
     async def publish(self, reply_id: str) -> None:
         """Tell the replica producing ``reply_id`` now; a failure is no cancel's failure

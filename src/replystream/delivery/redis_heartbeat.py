@@ -28,10 +28,12 @@ from collections.abc import AsyncIterator
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from replystream.delivery.redis_connect import error_text
 from replystream.delivery.redis_keys import ReplyKeys
-from replystream.delivery.redis_link import HEARTBEAT_S, OutageLog, RedisLink
+from replystream.delivery.redis_link import HEARTBEAT_S, RedisLink
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_writes import HEARTBEAT_SCRIPT
+from replystream.outage_log import OutageLog
 
 log = logging.getLogger("replystream.redis_store")
 
@@ -65,8 +67,8 @@ class Heartbeat:
         self._left: set[str] = set()
         # While Redis is down these fail every second: told once as they begin, once as
         # they end.
-        self._refresh_outage = OutageLog(log, "liveness refresh")
-        self._marks_outage = OutageLog(log, "reader marks' refresh")
+        self._refresh_outage = OutageLog(log, "liveness refresh", error_text)
+        self._marks_outage = OutageLog(log, "reader marks' refresh", error_text)
 
     async def beat_forever(self) -> None:
         async with asyncio.TaskGroup() as group:

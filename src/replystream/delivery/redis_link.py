@@ -8,8 +8,7 @@ after it answers again (``recovering``), what producers write cannot be trusted 
 a promoted replica may hold stale liveness keys, and a reply Redis lost altogether (a
 restart without its data) is there again only once its producer writes it again. The
 timings every part shares (a command's timeout, the heartbeat's period) live here too, and
-how a call made every second tells of an outage (``OutageLog``: once as it begins, once as
-it ends), and whether the Redis answering is still the one that answered before
+whether the Redis answering is still the one that answered before
 (``servers_changed``: a restart quick enough that no command failed). This file must not know
 what the keys hold.
 """
@@ -17,7 +16,6 @@ what the keys hold.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -199,48 +197,3 @@ def _run_ids(info: object) -> list[str]:
     if "run_id" in info:
         return [str(info["run_id"])]
     return [run_id for value in info.values() for run_id in _run_ids(value)]
-
-
-class OutageLog:
-    """Tells of a call repeated every second that fails while Redis does: once when it
-    begins to fail, once when it succeeds again (with how long it failed), not at every
-    attempt in between."""
-
-    __slots__ = ("_attempts", "_log", "_since", "what")
-
-    def __init__(self, log: logging.Logger, what: str) -> None:
-        self._log = log
-        self.what = what  # what failed, as the log says it ("liveness refresh")
-        self._since: float | None = None  # when it began to fail (None: it succeeds)
-        self._attempts = 0  # failed attempts since
-
-    def failed(self, exc: BaseException) -> None:
-        if self._since is None:
-            self._since = time.monotonic()
-            self._attempts = 0
-            self._log.warning(
-                "%s failed: %s (told again once it succeeds)", self.what, error_text(exc)
-            )
-        self._attempts += 1
-
-    def succeeded(self) -> None:
-        if self._since is not None:
-            self._log.warning(
-                "%s succeeds again, after failing for %.1f s (%d attempts)",
-                self.what,
-                time.monotonic() - self._since,
-                self._attempts,
-            )
-            self._since = None
-
-    def idle(self) -> None:
-        """Nothing is left to send (the replies it refreshed ended): an outage under way is
-        told to end here, unknown, so that the next one is told as it begins."""
-        if self._since is not None:
-            self._log.warning(
-                "%s has nothing left to send, after failing for %.1f s (%d attempts)",
-                self.what,
-                time.monotonic() - self._since,
-                self._attempts,
-            )
-            self._since = None

@@ -71,10 +71,12 @@ def held_elsewhere(shared: SharedLimits, before: float) -> list[str | None]:
     wait ``before`` (none when their lines cannot be read: this worker then takes room as
     it finds it, as before any was held)."""
     try:
-        return shared.lines.holding_elsewhere(time.monotonic(), before)
+        held = shared.lines.holding_elsewhere(time.monotonic(), before)
     except OSError as exc:
-        log.error("cannot see the other workers' lines: %s", exc)
+        shared.lines_outage.failed(exc)
         return []
+    shared.lines_outage.succeeded()
+    return held
 
 
 def free_slots(shared: SharedLimits, backend: Backend, most: int) -> int:
@@ -151,7 +153,9 @@ class OtherWorkers(OtherLines):
 
     def oldest(self) -> float | None:
         try:
-            return self._shared.lines.oldest_elsewhere()
+            oldest = self._shared.lines.oldest_elsewhere()
         except OSError as exc:
-            log.error("cannot see the other workers' lines: %s", exc)
+            self._shared.lines_outage.failed(exc)
             return None
+        self._shared.lines_outage.succeeded()
+        return oldest

@@ -32,12 +32,17 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import math
 import os
 import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from replystream.outage_log import OutageLog
+
+log = logging.getLogger("replystream.upstream")
 
 # How long a read of the table of locks is reused: the metrics count the slots taken once per
 # row of theirs when they refresh, all within a moment.
@@ -375,6 +380,10 @@ class SharedLimits:
         self._upstreams: dict[str, SlotFiles] = {}
         self._locks = LockTable()
         self.lines = Lines(folder / "lines")
+        # A line polls the others' every few tens of milliseconds while anyone waits in it, and
+        # each request reads them: a failure to (out of descriptors) is told as it begins and
+        # as it ends, not at each read.
+        self.lines_outage = OutageLog(log, "seeing the other workers' lines", level=logging.ERROR)
 
     def slots(self, name: str) -> SlotFiles:
         """The slots of the upstream at ``name`` (its base URL)."""
