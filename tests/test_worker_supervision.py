@@ -422,6 +422,23 @@ def test_a_folder_without_a_hugging_face_model_is_said_once_before_any_worker_st
     )
 
 
+async def signalled_until_gone(
+    process: asyncio.subprocess.Process, pids: list[int], signum: int
+) -> tuple[str, int]:
+    """Send ``signum`` to each of ``pids`` every 5 ms until they are all gone or ``process``
+    (the server's parent) ended, so that one lands at every moment of their stop; then the
+    parent's stderr and exit status."""
+    while process.returncode is None and any(alive(pid) for pid in pids):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        await asyncio.sleep(0.005)
+    assert process.stderr is not None
+    async with asyncio.timeout(30):
+        stderr = (await process.stderr.read()).decode()
+        return stderr, await process.wait()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 async def test_a_stop_signalled_to_the_whole_group_stops_the_workers_gracefully(signum: int):
     """A terminal's Ctrl-C, or systemd's SIGTERM, reaches every process of the group: each
@@ -434,15 +451,7 @@ async def test_a_stop_signalled_to_the_whole_group_stops_the_workers_gracefully(
         os.kill(process.pid, signum)
         # The group's copy of the signal, again and again while the workers stop, so that
         # one lands whenever a worker would die of it.
-        while process.returncode is None and any(alive(pid) for pid in workers):
-            for pid in workers:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-            await asyncio.sleep(0.005)
-        assert process.stderr is not None
-        async with asyncio.timeout(30):
-            stderr = (await process.stderr.read()).decode()
-            status = await process.wait()
+        stderr, status = await signalled_until_gone(process, workers, signum)
     assert "replies were cut" not in stderr, stderr
     assert "Traceback" not in stderr, stderr
     assert status == 0, stderr
@@ -467,15 +476,7 @@ async def test_a_hangup_while_the_server_stops_does_not_kill_it(
         processes = [process.pid, *children_of(process.pid)]
         assert len(processes) == (1 if workers == "1" else 3)
         os.kill(process.pid, signal.SIGTERM)
-        while process.returncode is None and any(alive(pid) for pid in processes):
-            for pid in processes:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGHUP)
-            await asyncio.sleep(0.005)
-        assert process.stderr is not None
-        async with asyncio.timeout(30):
-            stderr = (await process.stderr.read()).decode()
-            status = await process.wait()
+        stderr, status = await signalled_until_gone(process, processes, signal.SIGHUP)
     assert "replies were cut" not in stderr, stderr
     assert "Traceback" not in stderr, stderr
     assert status == 0, stderr
