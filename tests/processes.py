@@ -65,3 +65,34 @@ async def replica(
         yield process, url
     finally:
         await stop(process)
+
+
+class StderrLines:
+    """A server's stderr, read as it comes: wait for a line with a given piece."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stderr is not None
+        self._stream = process.stderr
+        self.lines: list[str] = []
+
+    async def wait_for(self, piece: str, count: int = 1, timeout_s: float = 20.0) -> list[str]:
+        async with asyncio.timeout(timeout_s):
+            while sum(piece in line for line in self.lines) < count:
+                line = await self._stream.readline()
+                assert line, f"the server's stderr ended; it said: {self.lines}"
+                self.lines.append(line.decode())
+        return [line for line in self.lines if piece in line]
+
+
+@contextlib.asynccontextmanager
+async def serving_with_stderr(
+    *args: str,
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, StderrLines]]:
+    """``replystream serve --port 0 ARGS`` ready: the process, its base URL and its stderr
+    read as it comes; stopped when the block ends."""
+    process = await launch(*args, stderr=asyncio.subprocess.PIPE)
+    try:
+        url = await ready_url(process)
+        yield process, url, StderrLines(process)
+    finally:
+        await stop(process)

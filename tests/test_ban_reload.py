@@ -21,9 +21,9 @@ import aiohttp
 import pytest
 
 from replystream.sse import EventParser
-from tests.processes import launch, ready_url, stop
+from tests.processes import StderrLines, serving_with_stderr
 from tests.test_gateway_workers import pin_each_worker
-from tests.test_reload import StderrLines, get, samples
+from tests.test_reload import get, samples
 from tests.test_workers import children_of
 
 pytestmark = pytest.mark.slow
@@ -39,16 +39,11 @@ async def banning(
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, StderrLines]]:
     """A simulated server whose every reply is ``WORDS`` (a word a token), its banned phrases
     in ``bans``, ready."""
-    process = await launch(
+    async with serving_with_stderr(
         "--engine", "simulated", "--reply-text", WORDS, "--delay-ms", "1", "--jitter-ms", "0",
         "--ban-file", str(bans), "--holdback-tokens", "4", *args,
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        url = await ready_url(process)
-        yield process, url, StderrLines(process)
-    finally:
-        await stop(process)
+    ) as served:  # fmt: skip
+        yield served
 
 
 async def endings_by_worker(url: str, pids: list[int]) -> dict[int, tuple[str, str]]:
@@ -115,14 +110,10 @@ async def test_a_reply_under_way_takes_the_new_list_before_the_phrase_leaves(tmp
     script.write_text(json.dumps(steps))
     bans = tmp_path / "bans.txt"
     bans.write_text("nothing said here\n")
-    process = await launch(
+    async with serving_with_stderr(
         "--engine", "simulated", "--reply-script", str(script), "--delay-ms", "1",
         "--jitter-ms", "0", "--ban-file", str(bans), "--holdback-tokens", "2",
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        url = await ready_url(process)
-        stderr = StderrLines(process)
+    ) as (process, url, stderr):  # fmt: skip
         parser = EventParser()
         text, types, reloaded = "", [], False
         async with (
@@ -141,8 +132,6 @@ async def test_a_reply_under_way_takes_the_new_list_before_the_phrase_leaves(tmp
                     reloaded = True
         assert types[-1] == "moderated" and "done" not in types, types
         assert text == "one two three four five six the ", text
-    finally:
-        await stop(process)
 
 
 async def test_a_worker_started_again_after_an_unsignalled_edit_enforces_its_siblings_list(

@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.processes import launch, ready_url, replica, stop
+from tests.processes import StderrLines, launch, ready_url, replica, serving_with_stderr, stop
 from tests.sse_client import post_events
 from tests.test_gateway_workers import Samples, pin_each_worker
 from tests.test_workers import children_of
@@ -91,36 +91,14 @@ async def wait_for_outstanding(url: str, upstream: str, timeout_s: float = 20.0)
             await asyncio.sleep(0.05)
 
 
-class StderrLines:
-    """A server's stderr, read as it comes: wait for a line with a given piece."""
-
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        assert process.stderr is not None
-        self._stream = process.stderr
-        self.lines: list[str] = []
-
-    async def wait_for(self, piece: str, count: int = 1, timeout_s: float = 20.0) -> list[str]:
-        async with asyncio.timeout(timeout_s):
-            while sum(piece in line for line in self.lines) < count:
-                line = await self._stream.readline()
-                assert line, f"the server's stderr ended; it said: {self.lines}"
-                self.lines.append(line.decode())
-        return [line for line in self.lines if piece in line]
-
-
 @contextlib.asynccontextmanager
 async def relay(
     routes_file: Path, *args: str
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, StderrLines]]:
-    process = await launch(
-        "--engine", "upstream", "--upstream-routes", str(routes_file), *args,
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        url = await ready_url(process)
-        yield process, url, StderrLines(process)
-    finally:
-        await stop(process)
+    async with serving_with_stderr(
+        "--engine", "upstream", "--upstream-routes", str(routes_file), *args
+    ) as served:  # fmt: skip
+        yield served
 
 
 async def test_a_reload_moves_new_requests_and_the_reply_under_way_ends_whole(tmp_path: Path):
@@ -369,15 +347,10 @@ async def keyed(
     keys: Path, *args: str
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, StderrLines]]:
     """A simulated server reading its API keys from ``keys`` (``args``: more flags), ready."""
-    process = await launch(
-        *upstream("hello", "simulated"), "--api-keys-file", str(keys), *args,
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        url = await ready_url(process)
-        yield process, url, StderrLines(process)
-    finally:
-        await stop(process)
+    async with serving_with_stderr(
+        *upstream("hello", "simulated"), "--api-keys-file", str(keys), *args
+    ) as served:  # fmt: skip
+        yield served
 
 
 @pytest.mark.parametrize("workers", [1, 2])

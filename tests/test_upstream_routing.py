@@ -29,10 +29,9 @@ from replystream.engine.upstream_routes import load_routes
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
 from tests.conftest import wait_for
-from tests.processes import launch, ready_url, replica, stop
+from tests.processes import StderrLines, launch, ready_url, replica, stop
 from tests.rawhttp import raw_request
 from tests.sse_client import post_events
-from tests.test_reload import StderrLines
 
 
 def chunk(

@@ -187,26 +187,35 @@ async def test_a_models_name_in_the_line_saying_so_cannot_forge_log_lines(
     assert "\n" not in said[0], said
 
 
-async def test_a_models_name_in_an_error_the_log_repeats_cannot_forge_log_lines(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A model named by a client, sent as named to an upstream that lists none, is quoted
-    in an error's words (which the log's warning repeats) when it holds a line break."""
+async def refused_at_the_limit(
+    model: str, caplog: pytest.LogCaptureFixture
+) -> tuple[str, list[str]]:
+    """A request for ``model`` refused as its upstream's room is taken (a relay whose upstream
+    lists no models passes any name on): the refusal's message, and the log's lines naming
+    the word "forged"."""
     up = Upstream([], mode="slow")  # none listed; each reply holds its room a while
     caplog.set_level(logging.WARNING, logger="replystream.server")
-    forged = "x\n2026-01-01 00:00:00,000 CRITICAL replystream.server forged"
     ask = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
     async with relay([up], max_outstanding=1, queue_s=0.0) as url:
         holding = asyncio.create_task(
             post_events(f"{url}/v1/chat/completions", {**ask, "model": "m"})
         )
         await wait_for(lambda: bool(up.bodies))  # its room is taken
-        got = await post_events(f"{url}/v1/chat/completions", {**ask, "model": forged})
+        got = await post_events(f"{url}/v1/chat/completions", {**ask, "model": model})
         assert got.status == 503, got.raw
         assert (await holding).status == 200
-    message = json.loads(got.raw)["error"]["message"]
+    message: str = json.loads(got.raw)["error"]["message"]
+    return message, [r.getMessage() for r in caplog.records if "forged" in r.getMessage()]
+
+
+async def test_a_models_name_in_an_error_the_log_repeats_cannot_forge_log_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A model named by a client, sent as named to an upstream that lists none, is quoted
+    in an error's words (which the log's warning repeats) when it holds a line break."""
+    forged = "x\n2026-01-01 00:00:00,000 CRITICAL replystream.server forged"
+    message, said = await refused_at_the_limit(forged, caplog)
     assert message.startswith(f"every upstream serving {forged!r} is at its limit"), message
-    said = [r.getMessage() for r in caplog.records if "forged" in r.getMessage()]
     assert len(said) == 1 and "\n" not in said[0], said
 
 
@@ -220,21 +229,9 @@ async def test_a_huge_models_name_in_an_error_the_log_repeats_is_cut(
     """A client's model name of 200,000 characters is cut in an error's words, which the
     warning at the default log level repeats for each request refused: a log line is not as
     long as a client's body may be."""
-    up = Upstream([], mode="slow")  # none listed; each reply holds its room a while
-    caplog.set_level(logging.WARNING, logger="replystream.server")
-    ask = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
-    async with relay([up], max_outstanding=1, queue_s=0.0) as url:
-        holding = asyncio.create_task(
-            post_events(f"{url}/v1/chat/completions", {**ask, "model": "m"})
-        )
-        await wait_for(lambda: bool(up.bodies))  # its room is taken
-        got = await post_events(f"{url}/v1/chat/completions", {**ask, "model": HUGE_NAME})
-        assert got.status == 503, got.raw
-        assert (await holding).status == 200
-    message = json.loads(got.raw)["error"]["message"]
+    message, said = await refused_at_the_limit(HUGE_NAME, caplog)
     assert message.startswith("every upstream serving 'forgedmmm"), message[:100]
     assert "(200006 characters) is at its limit" in message and len(message) < 1000
-    said = [r.getMessage() for r in caplog.records if "forged" in r.getMessage()]
     assert len(said) == 1 and len(said[0]) < 1000, [len(line) for line in said]
 
 

@@ -42,24 +42,20 @@ class OutageLog:
         self._attempts += 1
 
     def succeeded(self) -> None:
-        if self._since is not None:
-            self._log.log(
-                self._level,
-                "%s succeeds again, after failing for %.1f s (%d attempts)",
-                self.what,
-                time.monotonic() - self._since,
-                self._attempts,
-            )
-            self._since = None
+        self._end("succeeds again")
 
     def idle(self) -> None:
         """Nothing is left to send (the replies it refreshed ended): an outage under way is
         told to end here, unknown, so that the next one is told as it begins."""
+        self._end("has nothing left to send")
+
+    def _end(self, how: str) -> None:
         if self._since is not None:
             self._log.log(
                 self._level,
-                "%s has nothing left to send, after failing for %.1f s (%d attempts)",
+                "%s %s, after failing for %.1f s (%d attempts)",
                 self.what,
+                how,
                 time.monotonic() - self._since,
                 self._attempts,
             )
