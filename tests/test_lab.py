@@ -406,6 +406,10 @@ async def _lab_interrupted_once(
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     await wait_for(ready, timeout_s=60)
+    # What ``ready`` sees is the server's side; the lab, another process, is given time to
+    # read the last bytes of what ended (on a busy machine it lagged the server, and a call
+    # whose end was sent was cut as it was read).
+    await asyncio.sleep(2.0)
     process.send_signal(signal.SIGINT)
     async with asyncio.timeout(30):
         out, err = await process.communicate()

@@ -90,7 +90,11 @@ async def test_a_responses_streams_bursts_are_the_bytes_of_one_buffer(app_url, t
     result = diagnose(timing, Thresholds())
     assert result.verdict == "bursty", result.reason
     assert sum(b.events for b in result.bursts) == TOKENS
-    assert all(3000 <= b.approx_bytes <= 4096 for b in result.bursts[:-1]), result.bursts
+    # Each full burst is nginx's 4 KiB buffer, or a few of them on a machine too busy to
+    # read them apart; never more bytes than the buffers hold.
+    for burst in result.bursts[:-1]:
+        buffers = max(1, round(burst.approx_bytes / 4096))
+        assert 3000 * buffers <= burst.approx_bytes <= 4096 * buffers, result.bursts
     assert sum(b.approx_bytes for b in result.bursts) <= timing.body_bytes
     assert result.hop is not None and "bursts of about 4 KiB" in result.hop
 
