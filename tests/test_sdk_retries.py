@@ -19,6 +19,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
+from tests.services import free_port
 
 HI: list[MessageParam] = [{"role": "user", "content": "hi"}]
 CHAT_HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -102,3 +103,97 @@ async def test_a_short_wait_is_waited_and_retried():
             waited = asyncio.get_running_loop().time() - started
     assert upstream.asked == 3
     assert 2.0 <= waited < 20.0
+
+
+class Refusing:
+    """An upstream that refuses every request with ``status`` (401: the relay was given no
+    key for it; 500: a fault of its own, which may pass)."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.asked = 0  # chat requests that reached it
+
+    async def refuse(self, request: web.Request) -> web.Response:
+        self.asked += request.path.endswith("/chat/completions")
+        error = {"message": "no", "type": "invalid_request_error"}
+        return web.json_response({"error": error}, status=self.status)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self.refuse)
+        return app
+
+
+@asynccontextmanager
+async def relay_keyless(upstream: Refusing, *more: UpstreamTarget) -> AsyncIterator[str]:
+    """A relay to ``upstream`` (then ``more``) with no key of its own for it; yields its
+    base URL."""
+    async with running(upstream.app()) as upstream_url:
+        targets = (UpstreamTarget(f"{upstream_url}/v1"), *more)
+        engine = UpstreamEngine(UpstreamConfig(targets))
+        try:
+            async with running(create_app(engine)) as url:
+                yield url
+        finally:
+            await engine.aclose()
+
+
+async def test_a_relay_refused_for_its_own_configuration_is_not_retried():
+    """The upstream wants a key the relay was not given: every attempt fails so until an
+    operator gives it one. The SDKs retried that 502 as any 5xx, and once the circuit opened,
+    its 503 after sleeping its ``Retry-After`` (the cool-down), twice: each call hung about
+    11 s before its caller saw the error. Now each is told at once, and not asked again."""
+    upstream = Refusing(401)
+    async with relay_keyless(upstream) as url, asyncio.timeout(60):
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        statuses = []
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k") as gpt:
+            for _ in range(4):  # past the circuit's row of failures: then it is open
+                try:
+                    await gpt.chat.completions.create(model="m", messages=CHAT_HI, stream=True)
+                except openai.APIStatusError as exc:
+                    assert exc.response.headers["X-Should-Retry"] == "false", exc
+                    assert "none is configured for it" in exc.message, exc.message
+                    statuses.append(exc.status_code)
+        async with anthropic.AsyncAnthropic(base_url=url, api_key="k") as claude:
+            try:
+                await claude.messages.create(model="m", max_tokens=5, messages=HI)
+            except anthropic.APIStatusError as exc:
+                assert exc.response.headers["X-Should-Retry"] == "false", exc
+                statuses.append(exc.status_code)
+        waited = loop.time() - started
+    assert statuses[0] == 502 and statuses[-2:] == [503, 529], statuses
+    assert upstream.asked <= 3, upstream.asked  # once per call until the circuit opened
+    assert waited < 8.0, waited
+
+
+async def test_a_fault_of_the_upstreams_own_is_retried():
+    """A 500 of the upstream's may pass: the relay's 502 says nothing against a retry, and
+    the SDK asks twice more."""
+    upstream = Refusing(500)
+    async with relay_keyless(upstream) as url, asyncio.timeout(60):
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k") as gpt:
+            try:
+                await gpt.chat.completions.create(model="m", messages=CHAT_HI)
+            except openai.APIStatusError as exc:
+                assert exc.status_code == 502, exc
+                assert "X-Should-Retry" not in exc.response.headers
+            else:
+                raise AssertionError("the upstream's 500 was not told")
+    assert upstream.asked == 3
+
+
+async def test_a_refusal_for_configuration_beside_a_fault_that_may_pass_is_retried():
+    """One upstream wants a key the relay lacks, the other is down (it may come back): the
+    relay's answer says nothing against a retry."""
+    down = UpstreamTarget(f"http://127.0.0.1:{free_port()}/v1")
+    async with relay_keyless(Refusing(401), down) as url, asyncio.timeout(60):
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as gpt:
+            try:
+                await gpt.chat.completions.create(model="m", messages=CHAT_HI)
+            except openai.APIStatusError as exc:
+                assert exc.status_code == 502, exc
+                assert "X-Should-Retry" not in exc.response.headers, exc
+            else:
+                raise AssertionError("no upstream could answer")

@@ -23,10 +23,14 @@ class EngineError(Exception):
     (before any byte of the reply): 500 here, 502 or 504 for an unreachable upstream.
     ``retry_after_s``, when set, is how long the client should wait before it asks again
     (an engine that cannot take a request now, and knows when it may): a server sends it
-    as ``Retry-After``.
+    as ``Retry-After``. ``lasting``: the cause is this server's configuration (a key, a URL,
+    a CA), which asking again in seconds does not change: a server says so (``X-Should-Retry:
+    false``), or clients' SDKs retry it as they would any 5xx, waiting out its
+    ``Retry-After`` each time, before their callers see the error.
     """
 
     status = 500
+    lasting = False
 
     def __init__(
         self,

@@ -64,6 +64,7 @@ from replystream.engine.upstream_refusals import (
     CHAT_PATH,
     OutOfResources,
     OwnFieldRefused,
+    UpstreamMisconfigured,
     UpstreamRefusedClientKey,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -431,7 +432,8 @@ class UpstreamEngine:
             failure = connect_failure(exc, backend.name, shows_certificate=shows)
             if failure.code == OWN_SHORTAGE:
                 raise OutOfResources(failure.message, code=failure.code) from None
-            raise UpstreamUnavailable(failure.message, code=failure.code) from None
+            failed = UpstreamMisconfigured if failure.lasting else UpstreamUnavailable
+            raise failed(failure.message, code=failure.code) from None
 
     @staticmethod
     def _timed_out(backend: Backend, timeout: float) -> UpstreamTimeout:

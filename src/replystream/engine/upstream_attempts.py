@@ -380,7 +380,9 @@ class AttemptSeries:
         self._close_stream()
         self._last_error = error
         if backend is not None and error.code not in NOT_ITS_HEALTH:
-            self._pool.failed(backend, str(error), error.retry_after_s or 0.0)
+            self._pool.failed(
+                backend, str(error), error.retry_after_s or 0.0, lasting=error.lasting
+            )
         elif (
             backend is not None
             and error.code == "model_not_found"
@@ -479,7 +481,8 @@ def gave_up(
     """What a request ends with when no upstream is left to try: the last attempt's failure
     (naming how many were tried), or, when none could be tried, that every circuit is open,
     or that none serving ``models`` is left in the routes; a 503 says when some upstream
-    serving ``models`` may take a request."""
+    serving ``models`` may take a request, and a failure is ``lasting`` when each upstream
+    serving them is failing for the relay's configuration of it."""
     error = last_error
     serving_them = [b for b in pool.backends if any(b.serves(model) for model in models)]
     if error is None and not serving_them:
@@ -499,6 +502,10 @@ def gave_up(
         )
     elif attempts > 1:
         error.args = (f"{error} (after trying {attempts} upstreams)",)
+    if error.status >= 500:
+        # Asking again helps only if some upstream's trouble may pass: not when each one
+        # serving the model last failed for what this relay is configured with.
+        error.lasting = bool(serving_them) and all(b.problem_lasting for b in serving_them)
     if error.status == 503:
         # Nobody can take it now (or the last upstream was busy): the client learns when
         # some upstream may, which replaces what an upstream asked of us.

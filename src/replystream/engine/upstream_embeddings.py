@@ -138,7 +138,9 @@ class EmbeddingsRelay:
                 result = AT_HEAD.get(exc.code, "connect_error")
                 last_error = exc
                 if exc.code not in NOT_ITS_HEALTH:
-                    self._pool.failed(backend, str(exc), exc.retry_after_s or 0.0)
+                    self._pool.failed(
+                        backend, str(exc), exc.retry_after_s or 0.0, lasting=exc.lasting
+                    )
                 # (A 404 for the model, or an answer, is this route's word on it alone:
                 # ``UpstreamPool.not_serving`` and ``served`` keep chat's.)
             finally:

@@ -37,10 +37,13 @@ log = logging.getLogger("replystream.upstream")
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """A transport failure in words: what happened, and a short machine-readable code."""
+    """A transport failure in words: what happened, and a short machine-readable code.
+    ``lasting``: the relay's configuration of the upstream is the cause (its URL's scheme,
+    the CA it trusts, a proxy's credentials), which no retry changes."""
 
     message: str
     code: str
+    lasting: bool = False
 
 
 # What to do about the two ways a URL's scheme can disagree with its port.
@@ -72,6 +75,18 @@ def _os_reason(error: OSError | None) -> str:
     return "the connection failed"
 
 
+# OpenSSL's reasons when what came back is no TLS record.
+_NOT_TLS = ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "RECORD_LAYER_FAILURE")
+
+
+def _tls_configured(exc: BaseException | None) -> bool:
+    """Whether a failed TLS handshake says what the relay is configured with: a certificate
+    its CAs do not trust, or a plain HTTP server at an https:// URL."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return True
+    return isinstance(exc, ssl.SSLError) and exc.reason in _NOT_TLS
+
+
 def _tls_reason(exc: BaseException, *, ca_hint: str = "") -> str:
     """A failed TLS handshake in our words; ``ca_hint``: where an untrusted certificate's CA
     would go, said with it."""
@@ -79,7 +94,7 @@ def _tls_reason(exc: BaseException, *, ca_hint: str = "") -> str:
         verify = exc.verify_message or "verification failed"
         return f"its TLS certificate is not trusted ({verify}{ca_hint})"
     reason = exc.reason if isinstance(exc, ssl.SSLError) else None
-    if reason in ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "RECORD_LAYER_FAILURE"):
+    if reason in _NOT_TLS:
         # What came back is no TLS record: most often a plain HTTP server's answer.
         return f"it did not answer in TLS ({reason.lower().replace('_', ' ')}): {TLS_TO_PLAIN}"
     if reason:
@@ -113,9 +128,11 @@ def connect_failure(
             said += " (its host name does not resolve)"
         elif exc.os_error is not None:
             said += f" ({_os_reason(exc.os_error)})"
-        return Failure(said, "upstream_unavailable")
+        lasting = exc.configured or _tls_configured(exc.tls_error)
+        return Failure(said, "upstream_unavailable", lasting)
     if isinstance(exc, ssl.SSLError):
-        return Failure(f"cannot connect to {where}: {_tls_reason(exc)}", "upstream_tls")
+        said = f"cannot connect to {where}: {_tls_reason(exc)}"
+        return Failure(said, "upstream_tls", _tls_configured(exc))
     if isinstance(exc, ConnectFailed) and isinstance(exc.os_error, socket.gaierror):
         return Failure(
             f"cannot connect to {where}: its host name does not resolve", "upstream_unavailable"
@@ -143,11 +160,12 @@ def connect_failure(
             "upstream_bad_response",
         )
     if isinstance(exc, NotHttp) and exc.tls:
-        return Failure(f"{where} answered in TLS: {PLAIN_TO_TLS}", "upstream_tls")
+        return Failure(f"{where} answered in TLS: {PLAIN_TO_TLS}", "upstream_tls", True)
     if isinstance(exc, NotHttp) and exc.h2:
         return Failure(
             f"{where} answered in HTTP/2 alone; this relay speaks HTTP/1.1 to upstreams",
             "upstream_bad_response",
+            True,
         )
     if isinstance(exc, NotHttp | BadFraming):
         return Failure(f"{where} sent a response that is not valid HTTP", "upstream_bad_response")

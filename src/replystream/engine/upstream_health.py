@@ -26,6 +26,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from pydantic_core import from_json
 
@@ -72,6 +73,15 @@ def _listing(body: bytes | None) -> object:
         return from_json(body)
     except ValueError:
         return None
+
+
+class Verdict(NamedTuple):
+    """What a probe found: ``problem`` in words (None: it answered), the models it lists,
+    and whether the problem is the relay's configuration of it (``EngineError.lasting``)."""
+
+    problem: str | None
+    models: list[str]
+    lasting: bool = False
 
 
 class _NoVerdict(Exception):
@@ -172,10 +182,10 @@ class HealthProber:
 
     async def _probe(self, backend: Backend, keys: UpstreamKeys) -> None:
         try:
-            problem, models = await self._ask(backend, keys)
+            problem, models, lasting = await self._ask(backend, keys)
         except _NoVerdict:
             return  # this process's shortage says nothing of the upstream: as it was
-        backend.probed(problem, models)
+        backend.probed(problem, models, lasting=lasting)
         self._tell(backend.name, problem)
         self._pool.listed(backend, models)  # a model it answered 404 for may be back
         self.note_shadowed([backend])
@@ -231,7 +241,7 @@ class HealthProber:
                     alias,
                 )
 
-    async def _ask(self, backend: Backend, keys: UpstreamKeys) -> tuple[str | None, list[str]]:
+    async def _ask(self, backend: Backend, keys: UpstreamKeys) -> Verdict:
         where = f"the upstream at {backend.name}"
         headers = keys.headers(backend.name)
         listing: object = None
@@ -249,24 +259,25 @@ class HealthProber:
                 elif status == 400 and body is not None:
                     front = front_refusal(status, body)
         except TimeoutError:
-            return f"{where} did not answer within {self._timeout_s:g} s", []
+            return Verdict(f"{where} did not answer within {self._timeout_s:g} s", [])
         except (HttpFailure, OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             if own_shortage(exc) is not None:  # no file descriptor left here for the probe
                 raise _NoVerdict from None
             shows = backend.name in keys.certified
             failure = connect_failure(exc, backend.name, shows_certificate=shows)
-            return failure.message, []
+            return Verdict(failure.message, [], failure.lasting)
         if front is not None:
-            return f"{where} answered {status}: {front}", []
+            return Verdict(f"{where} answered {status}: {front}", [], lasting=True)
         if 300 <= status < 400:
-            withheld = keys.withheld(backend.name, None)
-            return f"{where} answered {status}: {redirected(location, withheld)}", []
+            where_to = redirected(location, keys.withheld(backend.name, None))
+            return Verdict(f"{where} answered {status}: {where_to}", [], lasting=True)
         if status == 407:  # a proxy's, on the way to an http upstream
-            return f"{where} answered 407: {CREDENTIALS_ASKED}", []
+            return Verdict(f"{where} answered 407: {CREDENTIALS_ASKED}", [], lasting=True)
         if status in (401, 403) and backend.name in keys.passing:
-            return None, []
+            return Verdict(None, [])
         if status in (401, 403):
-            return f"{where} answered {status}: {our_key_refused(keys.key_from(backend.name))}", []
+            refused = our_key_refused(keys.key_from(backend.name))
+            return Verdict(f"{where} answered {status}: {refused}", [], lasting=True)
         if status == 404:
             # The probe's path follows the base URL: a wrong base is the likelier mistake for
             # the default path, a path of the operator's own for any other.
@@ -275,10 +286,10 @@ class HealthProber:
                 if self._path == "/models"
                 else "the probe's path is asked after the base URL (--upstream-health-path)"
             )
-            return f"{where} has no {self._path} (404): {hint}", []
+            return Verdict(f"{where} has no {self._path} (404): {hint}", [], lasting=True)
         if status >= 500:
-            return f"{where} answered {status} to GET {self._path}", []
-        return None, listed_models(listing)
+            return Verdict(f"{where} answered {status} to GET {self._path}", [])
+        return Verdict(None, listed_models(listing))
 
     async def aclose(self) -> None:
         if self._task is not None:

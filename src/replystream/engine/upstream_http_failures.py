@@ -57,7 +57,8 @@ class Stale(HttpFailure):
 class ProxyFailed(HttpFailure):
     """The proxy an upstream is reached through (``proxy``, as shown) could not be reached
     (``os_error``), its TLS handshake failed (``tls_error``), or it did not open the tunnel
-    to it."""
+    to it. ``configured``: it refused the tunnel for what the relay is configured with (its
+    credentials, or a host it does not allow)."""
 
     def __init__(
         self,
@@ -65,8 +66,10 @@ class ProxyFailed(HttpFailure):
         *,
         os_error: OSError | None = None,
         tls_error: ssl.SSLError | None = None,
+        configured: bool = False,
     ) -> None:
         super().__init__(message)
         self.os_error = os_error
         self.tls_error = tls_error
+        self.configured = configured
         self.proxy = ""

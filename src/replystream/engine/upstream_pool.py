@@ -111,6 +111,8 @@ class Backend:
     trial: bool = False  # the trial request of a half-open circuit is under way
     probe_ok: bool | None = None
     problem: str = "not checked yet"  # what is wrong, in words ("" when nothing is)
+    # Whether that is the relay's configuration of it (``EngineError.lasting``).
+    problem_lasting: bool = False
     outstanding: int = 0
     current: int = 0  # smooth weighted round robin's running score
     attempts: Counter[str] = field(default_factory=Counter)
@@ -183,7 +185,8 @@ class Backend:
         more: an upstream that never finishes a reply must still open its circuit)."""
         self.trial = False
         self._move(Outcome.SUCCESS)
-        self.problem = "" if self.probe_ok is not False else self.problem
+        if self.probe_ok is not False:
+            self.problem, self.problem_lasting = "", False
 
     def ended_well(self) -> None:
         """An attempt here ended well (it answered first): the row of failures is over."""
@@ -199,12 +202,21 @@ class Backend:
         self.first_text_counts[bisect_left(LATENCY_BOUNDS, after_s)] += 1
         self.first_text_sum += after_s
 
-    def failed(self, now: float, problem: str, breaker: BreakerConfig, wait_s: float = 0.0) -> None:
-        """An attempt here failed with ``problem``. ``wait_s``: how long its upstream asked
-        to be left alone (its ``Retry-After``, bounded by the caller; 0: it did not say)."""
+    def failed(
+        self,
+        now: float,
+        problem: str,
+        breaker: BreakerConfig,
+        wait_s: float = 0.0,
+        *,
+        lasting: bool = False,
+    ) -> None:
+        """An attempt here failed with ``problem`` (``lasting``: for the relay's configuration
+        of it). ``wait_s``: how long its upstream asked to be left alone (its
+        ``Retry-After``, bounded by the caller; 0: it did not say)."""
         self.failures += 1
         self.trial = False
-        self.problem = problem
+        self.problem, self.problem_lasting = problem, lasting
         # Sick, and out for a cool-down: a row long enough, or a failed trial that did not
         # say when to come back. A wait alone is the upstream's word that it is busy (a
         # trial may get one too): out for that long, until the row is long enough.
@@ -218,14 +230,17 @@ class Backend:
         self.reopens_at = max(self.reopens_at, now + wait_s)
         self._move(Outcome.FAILURE)
 
-    def probed(self, problem: str | None, models: Sequence[str] | None) -> None:
-        """What an active health probe found (None: it answered), and the models it lists."""
+    def probed(
+        self, problem: str | None, models: Sequence[str] | None, *, lasting: bool = False
+    ) -> None:
+        """What an active health probe found (None: it answered; ``lasting``: a problem of
+        the relay's configuration of it), and the models it lists."""
         self.probe_ok = problem is None
         self.probes["ok" if problem is None else "failed"] += 1
         if problem is not None:
-            self.problem = problem
+            self.problem, self.problem_lasting = problem, lasting
         elif self.circuit is Circuit.CLOSED:
-            self.problem = ""
+            self.problem, self.problem_lasting = "", False
         if models and not self.fixed_models:
             self.models = tuple(dict.fromkeys(models))
 
@@ -432,8 +447,10 @@ class UpstreamPool:
             total += backend.max_outstanding
         return total
 
-    def failed(self, backend: Backend, problem: str, wait_s: float = 0.0) -> None:
-        backend.failed(self.clock(), problem, self.breaker, wait_s)
+    def failed(
+        self, backend: Backend, problem: str, wait_s: float = 0.0, *, lasting: bool = False
+    ) -> None:
+        backend.failed(self.clock(), problem, self.breaker, wait_s, lasting=lasting)
 
     def wait_s(self, model: str | None) -> float | None:
         """Seconds until some upstream serving ``model`` lets a request through (0: one does

@@ -257,4 +257,4 @@ def tunnel_refused(status: int, reason: str) -> ProxyFailed:
         said += f"; {CREDENTIALS_ASKED}"
     elif status == 403:
         said += " (does it allow a tunnel to that host and port?)"
-    return ProxyFailed(said)
+    return ProxyFailed(said, configured=status in (403, 407))

@@ -23,7 +23,8 @@ answers the client as it is, not failed over (``UpstreamRefusedClientKey``,
 ``UpstreamLimitedClientKey``); 401 or 403 to our own key is our configuration's fault (502,
 naming where that key is configured), as is a redirect (502, naming where it points: its URL
 is to be fixed, not followed), and so is a TLS front's refusal of the relay's own connection
-(``front_refusal``: 502, ``upstream_tls``, so another upstream is tried). Every message is
+(``front_refusal``: 502, ``upstream_tls``, so another upstream is tried): each an
+``UpstreamMisconfigured``, which no retry mends until an operator does. Every message is
 ours; an upstream's own words appear only quoted, from a JSON error body, and never with a
 key of ours in them (some upstreams repeat the key they refused). Whether another upstream
 is tried is ``upstream_attempts``'s. It must not know how a request is built, how an
@@ -57,6 +58,15 @@ class UpstreamUnavailable(EngineError):
     """No upstream answered: connection refused, reset, or a broken response head (502)."""
 
     status = 502
+
+
+class UpstreamMisconfigured(UpstreamUnavailable):
+    """An upstream refused the relay for what the relay's configuration says of it: the key
+    sent (401, 403), a proxy's credentials (407), its URL (a redirect, a path it lacks, http
+    to a TLS port), a CA that does not trust its certificate. Until an operator edits it,
+    every attempt there fails the same way."""
+
+    lasting = True
 
 
 class OutOfResources(EngineError):
@@ -422,7 +432,7 @@ async def refusal(
     where = f"the upstream at {backend} answered {status}"
     front = front_refusal(status, raw)
     if front is not None:
-        return UpstreamUnavailable(f"{where}: {front}", code="upstream_tls")
+        return UpstreamMisconfigured(f"{where}: {front}", code="upstream_tls")
     said = f"{where}: {message}" if message else where
     if status == 413:  # a proxy's page, most often, with no message: nginx takes 1 MB at most
         if not message:
@@ -455,7 +465,7 @@ async def refusal(
         # failure, counted on its circuit, another upstream tried.
         said = f"{where} to POST {backend}{path}: it has no such path"
         said += f" ({message})" if message else ""
-        return UpstreamUnavailable(
+        return UpstreamMisconfigured(
             f"{said}; does its URL end in /v1?", code="upstream_error_status"
         )
     if status == 404:
@@ -491,4 +501,6 @@ async def refusal(
         said = f"{where}: {our_key_refused(key_from)}"
     elif 300 <= status < 400:  # our configuration too: its URL
         said = f"{where}: {redirected(response.location, withheld)}"
-    return UpstreamUnavailable(said, code="upstream_error_status")
+    else:
+        return UpstreamUnavailable(said, code="upstream_error_status")
+    return UpstreamMisconfigured(said, code="upstream_error_status")

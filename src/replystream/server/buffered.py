@@ -268,7 +268,11 @@ async def buffered_reply(
             else:
                 # An upstream's failure is a 502, 503 or 504, as it would be before any byte.
                 failure = error_response(
-                    error.status, str(error), code=error.code, retry_after_s=error.retry_after_s
+                    error.status,
+                    str(error),
+                    code=error.code,
+                    retry_after_s=error.retry_after_s,
+                    lasting=error.lasting,
                 )
                 return shape_error(failure)
         elif isinstance(item, End) and item.how == "shutdown":

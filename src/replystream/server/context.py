@@ -239,7 +239,9 @@ async def admitted(request: web.Request, record: ReplyRecord, starting: Awaitabl
             request.get(REQUEST_ID, "-"),
             exc,
         )
-        raise HTTPAPIError(exc.status, str(exc), code=exc.code, retry_after_s=wait) from exc
+        raise HTTPAPIError(
+            exc.status, str(exc), code=exc.code, retry_after_s=wait, lasting=exc.lasting
+        ) from exc
     except asyncio.CancelledError:  # the client left while the request waited (a queue)
         _gone_before_reply(app, record)
         raise

@@ -95,19 +95,23 @@ def error_response(
     code: str,
     param: str | None = None,
     retry_after_s: float | None = None,
+    lasting: bool = False,
 ) -> web.Response:
-    """An HTTP error in the API's own format; with ``retry_after_s``, when to try again."""
+    """An HTTP error in the API's own format; with ``retry_after_s``, when to try again;
+    ``lasting``: asking again does not help (``EngineError.lasting``)."""
     body = json.dumps(error_body(message, code=code, status=status, param=param))
     response = web.Response(status=status, text=body, content_type="application/json")
     response[API_ERROR] = (message, code, param)
     if retry_after_s is not None:
         response.headers["Retry-After"] = retry_after_value(retry_after_s)
     too_long = retry_after_s is not None and retry_after_s > RETRY_WAIT_LIMIT_S
-    if status == 409 or too_long:
+    if status == 409 or too_long or lasting:
         # The openai and anthropic SDKs retry a 409 twice by default (a lock another request
         # held, in their APIs). Ours is a reply that has ended: asking again changes nothing,
         # and their header says so, so the client has its answer at once. So does a wait
-        # longer than a client should sleep unasked (``RETRY_WAIT_LIMIT_S``).
+        # longer than a client should sleep unasked (``RETRY_WAIT_LIMIT_S``), and a failure
+        # that lasts until an operator mends it (a relay's key or URL for its upstream),
+        # which they would retry as any 5xx, sleeping its ``Retry-After`` each time.
         response.headers["X-Should-Retry"] = "false"
     return response
 
@@ -159,6 +163,7 @@ class HTTPAPIError(Exception):
         close_connection: bool = False,
         retry_after_s: float | None = None,
         names_upstream_field: bool = False,
+        lasting: bool = False,
     ):
         super().__init__(message)
         self.status = status
@@ -169,6 +174,7 @@ class HTTPAPIError(Exception):
         self.names_upstream_field = names_upstream_field
         self.close_connection = close_connection  # the request's end on the wire is unknown
         self.retry_after_s = retry_after_s  # seconds until the client may try again
+        self.lasting = lasting  # asking again does not help (``error_response``)
 
     def response(self) -> web.Response:
         response = error_response(
@@ -177,6 +183,7 @@ class HTTPAPIError(Exception):
             code=self.code,
             param=self.param,
             retry_after_s=self.retry_after_s,
+            lasting=self.lasting,
         )
         if self.close_connection:
             response.force_close()
