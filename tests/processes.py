@@ -15,10 +15,12 @@ async def launch(
     stderr: int | None = None,
     env: Mapping[str, str] | None = None,
     module: str = "replystream",
+    session: bool = False,
 ) -> asyncio.subprocess.Process:
     """``replystream serve --port 0 ARGS`` started, its stdout ours to read (and its stderr,
     with ``stderr=asyncio.subprocess.PIPE``); run as ``python -m MODULE``, a module of the
-    tests that runs it in a way of its own (``tests.narrow_link``)."""
+    tests that runs it in a way of its own (``tests.narrow_link``); ``session``: in a session
+    of its own, its process group a terminal's (``os.killpg`` as a Ctrl-C)."""
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -30,6 +32,7 @@ async def launch(
         stdout=asyncio.subprocess.PIPE,
         stderr=stderr,
         env=env,
+        start_new_session=session,
     )
 
 

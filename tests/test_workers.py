@@ -5,13 +5,16 @@ import contextlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from replystream.client import ResumingReader, measure_reply
 from replystream.client.resume import Backoff
 from replystream.server.workers import STOP_MARGIN_S
+from replystream.sse import EventParser
 from tests.processes import launch, ready_url, start_server, stop
 from tests.rawhttp import raw_request
 from tests.redis_server import redis_server
@@ -270,3 +273,35 @@ async def test_a_worker_stopped_alone_takes_no_new_connection_while_it_drains():
         for writer in streams:
             writer.close()
         await stop(process)
+
+
+async def test_a_second_ctrl_c_ends_the_workers_grace_and_tells_the_replies_in_band():
+    """A terminal's Ctrl-C reaches the parent and every worker: the first stops the server
+    gracefully (replies go on), a second ends the grace, as it does for one process. It was
+    forwarded as the first was, and each worker took it for the copy of a signal it had."""
+    args = ("--engine", "simulated", "--tokens", "400", "--delay-ms", "50", "--jitter-ms", "0")
+    process = await launch(*args, "--workers", "2", "--shutdown-grace-s", "60", session=True)
+    try:
+        url = await ready_url(process, 60.0)
+        async with aiohttp.ClientSession() as http:
+            streams = [
+                await http.post(f"{url}/v1/replies", json={"prompt": "hi"}) for _ in range(4)
+            ]
+            for stream in streams:
+                await stream.content.readuntil(b"event: token")
+            os.killpg(process.pid, signal.SIGINT)
+            await asyncio.sleep(1.0)
+            assert process.returncode is None  # draining: each reply (20 s) outlasts this
+            for stream in streams:  # still flowing, none cut by the first Ctrl-C
+                await asyncio.wait_for(stream.content.readuntil(b"event: token"), 5)
+            started = time.monotonic()
+            os.killpg(process.pid, signal.SIGINT)
+            endings = [EventParser().feed(await stream.read())[-1] for stream in streams]
+            assert await asyncio.wait_for(process.wait(), 30) == 0
+            took = time.monotonic() - started
+    finally:
+        await stop(process)
+    for ending in endings:
+        assert ending.type == "error", ending
+        assert json.loads(ending.data)["error"]["code"] == "shutdown"
+    assert took < 15, took  # not the 60 s grace

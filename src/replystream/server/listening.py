@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import Any
@@ -22,6 +23,10 @@ LISTEN_BACKLOG = 4096
 # The exit status of ``serve`` when its command line cannot be served (a bad value, a file it
 # cannot use, a port it cannot have): a worker that exits with it would refuse again.
 REFUSED_EXIT = 2
+# What a ``--workers`` parent sends its serving workers on a second stop signal: end the grace
+# now. Not the stop signal itself: a signal sent to the whole group (a terminal's Ctrl-C)
+# reaches a worker twice, from there and from its parent, and must stop it once.
+HURRY_SIGNAL = signal.SIGUSR1
 
 
 def bind_socket(host: str, port: int, *, shared: bool = False) -> socket.socket:

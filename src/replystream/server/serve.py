@@ -21,7 +21,13 @@ from aiohttp import web
 from replystream import start_hangup, start_interrupt
 from replystream.server.connection import GuardedSockSite
 from replystream.server.context import CONFIG_KEY, MANAGER_KEY
-from replystream.server.listening import LISTEN_BACKLOG, bind_socket, listening_lines, url_of
+from replystream.server.listening import (
+    HURRY_SIGNAL,
+    LISTEN_BACKLOG,
+    bind_socket,
+    listening_lines,
+    url_of,
+)
 from replystream.server.listening import announce as announce_lines
 from replystream.server.server_config import ServerConfig
 from replystream.server.socket_room import unacknowledged_limit_s
@@ -185,8 +191,9 @@ async def serve_forever(
     ``on_hangup``, a SIGHUP calls it (and one that came while the server started, once it
     serves); else it stops the server as SIGTERM does (a terminal closed, or a reload asked
     of a server with nothing to read again, must not cut its replies without a word). A
-    second SIGINT or SIGTERM while it stops ends the grace at once (not in a worker). Once
-    stopped, the process ignores SIGHUP (a worker, SIGINT and SIGTERM too): it is about to exit."""
+    second SIGINT or SIGTERM while it stops ends the grace at once (in a worker,
+    ``HURRY_SIGNAL`` from its parent does). Once stopped, the process ignores SIGHUP (a
+    worker, SIGINT, SIGTERM and ``HURRY_SIGNAL`` too): it is about to exit."""
     stop = asyncio.Event()
     running: list[RunningServer] = []  # the server, once it serves
 
@@ -197,9 +204,16 @@ async def serve_forever(
             running[0].end_grace()
         stop.set()
 
+    def hurry() -> None:  # a worker's parent stopped again: the stop, with no grace
+        if running:
+            running[0].end_grace()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop_or_hurry)
+    if parent_pid is not None:
+        loop.add_signal_handler(HURRY_SIGNAL, hurry)
     if start_interrupt.interrupted():
         # A Ctrl-C during the start that some code swallowed: the start ends as it would
         # have (exit 130), before the port is announced.
@@ -231,7 +245,7 @@ async def serve_forever(
     # for a moment, and one landing then would be that death; ignored, a held one is dropped.)
     stops = {signal.SIGHUP}
     if parent_pid is not None:
-        stops |= {signal.SIGINT, signal.SIGTERM}
+        stops |= {signal.SIGINT, signal.SIGTERM, HURRY_SIGNAL}
     signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     try:
         for sig in stops:

@@ -45,7 +45,13 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from replystream import start_interrupt
 from replystream.server import metrics_dir
-from replystream.server.listening import REFUSED_EXIT, also_listening, listening_lines, url_of
+from replystream.server.listening import (
+    HURRY_SIGNAL,
+    REFUSED_EXIT,
+    also_listening,
+    listening_lines,
+    url_of,
+)
 from replystream.server.listening import announce as announce_lines
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 from replystream.server.restart_backoff import RestartBackoff
@@ -202,6 +208,7 @@ class Supervisor:
         self._slots = [Slot() for _ in range(workers)]
         self._selector = selectors.DefaultSelector()
         self._announced = self._stopping = False
+        self._hurried = False  # a second stop signal ended the workers' grace
         self._none_serving = False  # said that every worker is down, until one is ready
         self._reloads = False  # the workers read a file again on SIGHUP
         self._stop_signal: int = signal.SIGTERM
@@ -448,13 +455,16 @@ class Supervisor:
 
     def _stop(self, status: int) -> None:
         self._status = status
-        self._forward(signal.SIGTERM, None)
+        if not self._stopping:  # (stopping already: no operator asked to hurry)
+            self._forward(signal.SIGTERM, None)
 
     def _forward(self, signum: int, _frame: object) -> None:
-        if not self._stopping:
-            # Before the workers hear of it: each then answers /healthz for a server that
-            # stops, not for a worker stopping alone while the others serve.
-            metrics_dir.mark_stopping(self._folder)
+        if self._stopping:
+            self._hurry()
+            return
+        # Before the workers hear of it: each then answers /healthz for a server that
+        # stops, not for a worker stopping alone while the others serve.
+        metrics_dir.mark_stopping(self._folder)
         self._stopping, self._stop_signal = True, signum
         if self._kill_at is None:
             self._kill_at = time.monotonic() + self._kill_after_s
@@ -462,6 +472,18 @@ class Supervisor:
             slot.restart_at = None
             if slot.process is not None and slot.process.poll() is None:
                 self._signal(slot, signum)
+
+    def _hurry(self) -> None:
+        """Stopped again: the serving workers end their grace now, telling the replies still
+        running ``shutdown`` in-band (one still starting has none, and was sent SIGTERM)."""
+        if self._hurried:
+            return
+        self._hurried = True
+        log.warning("stopped again: the workers' grace ends now")
+        for slot in self._slots:
+            process = slot.process
+            if process is not None and process.poll() is None and slot.serving_since is not None:
+                process.send_signal(HURRY_SIGNAL)
 
     def _kill_the_stuck(self) -> None:
         """Kill the workers still there well past the grace (a hung loop, a stopped process):
@@ -489,7 +511,8 @@ class Supervisor:
         slot.process.send_signal(signum if slot.serving_since is not None else signal.SIGTERM)
 
     def _stop_on_hangup(self, _signum: int, frame: object) -> None:
-        self._forward(signal.SIGTERM, frame)
+        if not self._stopping:  # a terminal closed after its Ctrl-C is no second stop
+            self._forward(signal.SIGTERM, frame)
 
     def _hangup(self, _signum: int, _frame: object) -> None:
         for slot in self._slots:
