@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import aiohttp
 import anthropic
 import openai
 from aiohttp import web
@@ -19,6 +20,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
+from replystream.server.guard_config import GuardConfig
+from replystream.server.server_config import ServerConfig
+from tests.conftest import fast_engine
 from tests.services import free_port
 
 HI: list[MessageParam] = [{"role": "user", "content": "hi"}]
@@ -197,3 +201,26 @@ async def test_a_refusal_for_configuration_beside_a_fault_that_may_pass_is_retri
                 assert "X-Should-Retry" not in exc.response.headers, exc
             else:
                 raise AssertionError("no upstream could answer")
+
+
+async def test_a_rates_short_wait_is_slept_as_it_is_not_rounded_up_to_a_second():
+    """At 300 requests a minute a spent rate has room again within 0.2 s; ``Retry-After``
+    can say no less than 1 s, which the SDKs slept. ``retry-after-ms``, read first, says it
+    to the millisecond."""
+    config = ServerConfig(guard=GuardConfig(per_minute=300))
+    async with running(create_app(fast_engine(), config)) as url, asyncio.timeout(60):
+        async with aiohttp.ClientSession() as http:
+            while True:  # the rate spent
+                async with http.get(f"{url}/v1/models") as response:
+                    if response.status == 429:
+                        headers = response.headers
+                        break
+        assert headers["Retry-After"] == "1"
+        assert 1 <= int(headers["retry-after-ms"]) <= 200, headers
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k") as gpt:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            for _ in range(3):  # each spends the room the last wait gave, and waits again
+                await gpt.models.list()
+            waited = loop.time() - started
+    assert waited < 2.0, waited  # three waits of 1 s each before: 3 s

@@ -46,9 +46,12 @@ def preflight_response(request: web.Request, origins: Sequence[str]) -> web.Resp
 
 
 # The answer's headers a page of an allowed origin may read, besides those CORS always lets
-# it: the reply's and request's ids, and when to retry (the SDKs read ``Retry-After`` and
-# ``X-Should-Retry``; unexposed, a 429's wait is guessed and a 409 retried all the same).
-EXPOSED_HEADERS = "X-Reply-Id, X-Request-Id, request-id, Retry-After, X-Should-Retry"
+# it: the reply's and request's ids, and when to retry (the SDKs read ``Retry-After``,
+# ``retry-after-ms`` and ``X-Should-Retry``; unexposed, a 429's wait is guessed and a 409
+# retried all the same).
+EXPOSED_HEADERS = (
+    "X-Reply-Id, X-Request-Id, request-id, Retry-After, retry-after-ms, X-Should-Retry"
+)
 ALLOWED_HEADERS = ("Authorization", "Content-Type", "Last-Event-ID", "X-Request-Id")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}$")
 

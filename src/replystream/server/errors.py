@@ -72,9 +72,19 @@ def speaks_anthropic(path: str, headers: Mapping[str, str], *, unrouted: bool = 
 # are given only beside its fields, as ``code``.
 ANTHROPIC_DETAIL_CODES = frozenset({"thread_unsupported_request"})
 
+# The wait in milliseconds, beside ``Retry-After``'s whole seconds, as OpenAI's API sends it:
+# the openai and anthropic SDKs read it first, so a rate's wait of 0.1 s is not slept as 1 s.
+RETRY_AFTER_MS = "retry-after-ms"
 # Whatever kind of response ``in_route_shape`` is given, it gives back (or a reshaped one).
 AnyResponse = TypeVar("AnyResponse", bound=web.StreamResponse)
-_KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate", "X-Reply-Id", "X-Should-Retry")
+_KEPT_HEADERS = (
+    "Allow",
+    "Retry-After",
+    RETRY_AFTER_MS,
+    "WWW-Authenticate",
+    "X-Reply-Id",
+    "X-Should-Retry",
+)
 # The longest ``Retry-After`` a client's SDK is left to sleep through before asking again: the
 # openai SDK's own bound (past it, it gives up). The anthropic SDK has none: told an hour (an
 # upstream's quota, passed on), it would hang its caller for an hour before each of its two
@@ -104,6 +114,7 @@ def error_response(
     response[API_ERROR] = (message, code, param)
     if retry_after_s is not None:
         response.headers["Retry-After"] = retry_after_value(retry_after_s)
+        response.headers[RETRY_AFTER_MS] = str(max(1, math.ceil(retry_after_s * 1000)))
     too_long = retry_after_s is not None and retry_after_s > RETRY_WAIT_LIMIT_S
     if status == 409 or too_long or lasting:
         # The openai and anthropic SDKs retry a 409 twice by default (a lock another request
