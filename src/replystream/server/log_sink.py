@@ -8,11 +8,15 @@ logged: the event loop's, so every stream, accept and timer of the process waits
 272nd request froze the server, an open stream silent from then on.)
 
 So each record is formatted where it is logged, as before, and its line queued; one daemon
-thread writes the queue to the descriptor. The queue is bounded (``MAX_PENDING_BYTES``): past
-it a line is dropped and counted, and the next line written says how many were, so the reader
-sees where its log has a gap (``dropped_lines`` counts them for the metrics). At exit the
-queue is written for as long as the reader takes it, and given up after ``EXIT_WAIT_S`` in
-which it took nothing: a stuck reader does not keep a stopping server from exiting.
+thread writes the queue to the descriptor, whole lines in writes of at most ``PIPE_BUF``
+bytes: the processes of ``--workers`` share one stderr, and a pipe keeps a write whole only up
+to that size (a larger one goes in a part at a time as its reader makes room: another
+worker's lines went into the middle of a line, and neither could be read). A line longer than
+that is a write of its own. The queue is bounded (``MAX_PENDING_BYTES``): past it a line is
+dropped and counted, and the next line written says how many were, so the reader sees where
+its log has a gap (``dropped_lines`` counts them for the metrics). At exit the queue is
+written for as long as the reader takes it, and given up after ``EXIT_WAIT_S`` in which it
+took nothing: a stuck reader does not keep a stopping server from exiting.
 
 It must not know about HTTP or replies.
 """
@@ -23,8 +27,10 @@ import atexit
 import collections
 import logging
 import os
+import select
 import threading
 import time
+from collections.abc import Iterator
 
 # Lines waiting for the reader, at most: a minute or more of a busy access log, and a bound
 # on what a reader that never comes back costs.
@@ -32,6 +38,9 @@ MAX_PENDING_BYTES = 4 * 1024 * 1024
 # At exit, how long the queue waits for a reader that takes nothing before it is given up.
 EXIT_WAIT_S = 1.0
 FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+# The most a write to a pipe may hold and still go in whole, never interleaved with another
+# process's writes (POSIX; 4096 bytes on Linux).
+WHOLE_WRITE_BYTES = getattr(select, "PIPE_BUF", 512)
 
 
 class ThreadedLineHandler(logging.Handler):
@@ -84,7 +93,8 @@ class ThreadedLineHandler(logging.Handler):
                 self._writing = True
             if unsaid:
                 lines.insert(0, self._said_dropped(unsaid))
-            self._write(b"".join(lines))
+            for piece in whole_lines(b"".join(lines), WHOLE_WRITE_BYTES):
+                self._write(piece)
             with self._wake:
                 self._writing = False
                 self._wake.notify_all()
@@ -122,6 +132,20 @@ class ThreadedLineHandler(logging.Handler):
                 if idle >= idle_s:
                     return
                 self._wake.wait(min(0.05, idle_s - idle))
+
+
+def whole_lines(data: bytes, most: int) -> Iterator[bytes]:
+    """``data`` (lines, each ending with a line break) in pieces of whole lines, each at most
+    ``most`` bytes, but for a line longer than that, which is a piece of its own."""
+    start, size = 0, len(data)
+    while size - start > most:
+        end = data.rfind(b"\n", start, start + most) + 1
+        if end == 0:  # (rfind found none: -1) a line longer than ``most``
+            end = data.find(b"\n", start + most) + 1 or size
+        yield data[start:end]
+        start = end
+    if start < size:
+        yield data[start:]
 
 
 _installed: ThreadedLineHandler | None = None
