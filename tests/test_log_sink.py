@@ -6,17 +6,25 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import logging
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from urllib.parse import unquote
 
-from replystream.server.log_sink import ThreadedLineHandler
+import pytest
+
+from replystream.server import create_app, running
+from replystream.server.log_sink import FORMAT, ThreadedLineHandler
+from tests.conftest import fast_engine, wait_for
+from tests.rawhttp import raw_request
 
 
 def test_a_stderr_nobody_reads_stops_no_stream_and_no_request() -> None:
@@ -171,3 +179,24 @@ def test_processes_sharing_one_stderr_pipe_never_tear_each_others_lines() -> Non
             seen[found.group(1)].append(int(found.group(2)))
     assert torn == 0, f"{torn} torn lines"
     assert seen == {name: list(range(lines)) for name in seen}
+
+
+@pytest.mark.parametrize("part", ["x", "%01", "%F0%9F%98%80"])
+async def test_an_access_log_line_of_the_longest_path_fits_one_whole_write(
+    caplog: pytest.LogCaptureFixture, part: str
+) -> None:
+    """A request line may be 8 KiB (``--max-header-bytes``), and a path's characters up to 12
+    bytes each as the line's JSON writes them: the line took up to 16 KiB, past the write a
+    pipe keeps whole, so another worker's lines could still go into its middle."""
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    path = "/" + part * (8000 // len(part))
+    async with running(create_app(fast_engine())) as url:
+        await (await raw_request(f"{url}{path}")).read_body()
+        await wait_for(lambda: any(r.name == "replystream.access" for r in caplog.records))
+    (record,) = (r for r in caplog.records if r.name == "replystream.access")
+    line = logging.Formatter(FORMAT).format(record) + "\n"
+    assert len(line.encode()) <= select.PIPE_BUF  # (4096 on Linux)
+    said, decoded = json.loads(record.getMessage()), unquote(path)
+    assert said["status"] == 404
+    assert said["path"].startswith(decoded[:100])
+    assert said["path"].endswith(f"… ({len(decoded)} characters)")

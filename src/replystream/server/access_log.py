@@ -24,6 +24,11 @@ from replystream.server.guard import GUARD_KEY, client_address, parse_address
 access_log = logging.getLogger("replystream.access")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# The most of a path a line shows, in bytes of its JSON form (a character may take 12: an
+# escaped surrogate pair). A request line may be 8 KiB: a line that showed all of it would
+# pass the one write a pipe keeps whole (``log_sink.WHOLE_WRITE_BYTES``, 4096 bytes on
+# Linux), and another worker's lines could go into its middle. With this, every line fits.
+PATH_SHOWN = 2048
 
 REQUEST_ID = web.RequestKey("request_id", str)
 REPLY_ID = web.RequestKey("reply_id", str)  # set by routes that start or follow a reply
@@ -125,12 +130,29 @@ def _line(
     return {
         "request_id": request_id,
         "method": request.method,
-        "path": request.path,
+        "path": shown_path(request.path),
         "status": status,
         "ms": round((time.monotonic() - started) * 1000.0, 1),
         "client": client_address(request, request.app[GUARD_KEY].trusted_proxies),
         "reply_id": reply_id,
     }
+
+
+def shown_path(path: str) -> str:
+    """``path`` as a line shows it: whole, or its start and its length when its JSON form
+    would pass ``PATH_SHOWN`` bytes."""
+    if len(json.dumps(path)) <= PATH_SHOWN:
+        return path
+    note = f"… ({len(path)} characters)"
+    room = PATH_SHOWN - len(json.dumps(note))  # for the start, its quotes left out
+    kept, over = 0, len(path)  # the longest start that fits, found by halving
+    while kept + 1 < over:
+        middle = (kept + over) // 2
+        if len(json.dumps(path[:middle])) - 2 <= room:
+            kept = middle
+        else:
+            over = middle
+    return path[:kept] + note
 
 
 def _how_ended(account: Account | None) -> dict[str, object]:
