@@ -1068,3 +1068,29 @@ async def test_a_socket_runs_no_more_replies_at_once_than_its_client_may_have_re
     assert status == 429
     assert ended["type"] == "done", ended
     await wait_for(lambda: not gate.open)  # the socket closed: nothing of it is counted
+
+
+@pytest.mark.parametrize("named", ["model", "field"])
+async def test_a_refused_message_quoting_a_long_name_is_one_short_log_line(
+    caplog: pytest.LogCaptureFixture, named: str
+):
+    """A refusal's words quote what the client sent (``The model '...' does not exist``,
+    ``unknown field '...'``), and its INFO line wrote them whole: a client's message of a
+    1 MB name made a line of 1 MB, as often as it liked, and the log's room of 4 MiB filled
+    with its lines while every other line was dropped."""
+    caplog.set_level(logging.INFO, logger="replystream.websocket")
+    name = "m" * 500_000
+    message: dict[str, object] = {"type": "reply", "id": "t", "prompt": "x"}
+    if named == "model":
+        message["model"] = name
+    else:
+        message[name] = 1  # an unknown field
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json(message)
+            error = (await ws.receive_json())["data"]["error"]
+    assert error["code"] == ("model_not_found" if named == "model" else "unknown_parameter")
+    assert name in error["message"]  # the client is told all of it
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "replystream.websocket"]
+    assert line.startswith("websocket message 't' refused: ")
+    assert len(line) < 500 and line.endswith(f" characters) ({error['code']})"), line[:500]

@@ -45,6 +45,10 @@ from replystream.server.ws_transport import SocketKeepalive, WebSocketTransport
 
 log = logging.getLogger("replystream.websocket")
 
+# The most of a refusal's words its log line shows, in characters: the words may quote what
+# the client sent (a model's name, a field's), which may be as long as a message is.
+SAID_SHOWN = 300
+
 
 class SocketDone(Exception):
     """The socket itself failed: every reply on it ends (raised only by the socket's ``send``)."""
@@ -73,7 +77,7 @@ def failure_message(tag: str | None, exc: Exception) -> dict[str, Any]:
     is told no more than that."""
     if isinstance(exc, HTTPAPIError):
         level = logging.INFO if exc.status < 500 else logging.WARNING
-        log.log(level, "websocket message %r refused: %s (%s)", tag, exc.message, exc.code)
+        log.log(level, "websocket message %r refused: %s (%s)", tag, _said(exc.message), exc.code)
         body = error_body(exc.message, code=exc.code, status=exc.status, param=exc.param)
         if exc.retry_after_s is not None:  # what HTTP says in ``Retry-After``
             body["retry_after"] = int(retry_after_value(exc.retry_after_s))
@@ -81,6 +85,14 @@ def failure_message(tag: str | None, exc: Exception) -> dict[str, Any]:
         log.error("websocket message %r failed", tag, exc_info=exc)
         body = error_body("internal error", code="internal_error", status=500)
     return {"type": "error", "id": tag, "data": body}
+
+
+def _said(message: str) -> str:
+    """A refusal's words as its log line shows them: on one line, and cut past
+    ``SAID_SHOWN`` characters (the client's error message has them all)."""
+    if len(message) > SAID_SHOWN:
+        return f"{message[:SAID_SHOWN]!r}… ({len(message)} characters)"
+    return message if message.isprintable() else repr(message)
 
 
 class SocketReplies:
