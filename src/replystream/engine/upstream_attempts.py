@@ -504,8 +504,13 @@ def gave_up(
         error.args = (f"{error} (after trying {attempts} upstreams)",)
     if error.status >= 500:
         # Asking again helps only if some upstream's trouble may pass: not when each one
-        # serving the model last failed for what this relay is configured with.
-        error.lasting = bool(serving_them) and all(b.problem_lasting for b in serving_them)
+        # serving the model last failed for what this relay is configured with (the last
+        # attempt's failure among them: this relay's own shortage counts on no upstream).
+        error.lasting = (
+            (last_error is None or last_error.lasting)
+            and bool(serving_them)
+            and all(b.problem_lasting for b in serving_them)
+        )
     if error.status == 503:
         # Nobody can take it now (or the last upstream was busy): the client learns when
         # some upstream may, which replaces what an upstream asked of us.
