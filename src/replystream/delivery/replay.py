@@ -51,6 +51,8 @@ MAX_LOG_BYTES = 32 << 20
 # more than ``DELETED_TOLD_MAX`` such ids (the oldest forgotten first): a few hundred kB.
 DELETED_TOLD_S = 60.0
 DELETED_TOLD_MAX = 10_000
+# The memory store frees expired logs and forgets old deletes on a timer, at most this often.
+SWEEP_EVERY_S = 1.0
 
 
 class StoreUnavailable(Exception):
@@ -441,7 +443,12 @@ class MemoryReplayStore:
         # Replies deleted lately, and when (oldest first), so a reader finding one gone is
         # told why (``gone``); bounded in time and in number.
         self._deleted: dict[str, float] = {}
-        self._sweeps = 0
+        # The ended replies kept, and when each expires, in the order they ended (each is
+        # kept as long): what expired is found without looking at every log.
+        self._ending: dict[str, float] = {}
+        # Frees what expired (logs, deletes told) whether or not anything is asked of the
+        # store: a server gone quiet would otherwise keep its last busy hour's replies.
+        self._sweeper: asyncio.TimerHandle | None = None
         self._gaps = 0
         self._on_cancel: Callable[[str], None] = _no_producer
 
@@ -449,7 +456,6 @@ class MemoryReplayStore:
         return None  # in this process: nothing to ask
 
     async def create(self, info: ReplyInfo) -> None:
-        self._sweep()
         if info.reply_id in self._logs:
             raise ValueError(f"reply {info.reply_id} exists")
         self._deleted.pop(info.reply_id, None)
@@ -459,6 +465,7 @@ class MemoryReplayStore:
         log = self._logs.get(reply_id)
         if log is not None and log.expires_at is not None and time.monotonic() >= log.expires_at:
             del self._logs[reply_id]
+            self._ending.pop(reply_id, None)
             return None
         return log
 
@@ -476,6 +483,8 @@ class MemoryReplayStore:
             return
         log.ending = ending
         log.expires_at = time.monotonic() + self.ttl_after_end_s
+        self._ending[reply_id] = log.expires_at
+        self._sweep_later()
         log.wake()
 
     def failure(self, reply_id: str) -> str | None:
@@ -550,6 +559,7 @@ class MemoryReplayStore:
         self._deleted.pop(reply_id, None)  # deleted again: its time is now's
         self._deleted[reply_id] = time.monotonic()
         self._forget_old_deletes()
+        self._sweep_later()
         self.discard(reply_id)
 
     def _forget_old_deletes(self) -> None:
@@ -567,24 +577,41 @@ class MemoryReplayStore:
         """Forget a reply at once (one nobody may resume)."""
         log = self._logs.pop(reply_id, None)
         if log is not None:
+            self._ending.pop(reply_id, None)
             log.dropped = True
             log.wake()
 
-    def _sweep(self) -> None:
-        # Expired replies go when touched or, in bulk, every 256 new replies (and on every
-        # ``stats``: a quiet server's metrics must not count logs that have expired).
-        self._sweeps += 1
-        if self._sweeps % 256 == 0:
-            self._drop_expired()
+    def _sweep_later(self) -> None:
+        """Arm the sweep for the first thing due to go (a log's expiry, a delete no longer
+        told), no sooner than ``SWEEP_EVERY_S`` from now: one timer for them all, and at most
+        one sweep that often however many replies end."""
+        if self._sweeper is not None:
+            return
+        due = [next(iter(self._ending.values()))] if self._ending else []
+        if self._deleted:
+            due.append(next(iter(self._deleted.values())) + DELETED_TOLD_S)
+        if not due:
+            return
+        wait = max(min(due) - time.monotonic(), SWEEP_EVERY_S)
+        self._sweeper = asyncio.get_running_loop().call_later(wait, self._swept)
+
+    def _swept(self) -> None:
+        self._sweeper = None
+        self._drop_expired()
+        self._forget_old_deletes()
+        self._sweep_later()
 
     def _drop_expired(self) -> None:
-        now = time.monotonic()
-        for reply_id in [
-            k
-            for k, log in self._logs.items()
-            if log.expires_at is not None and now >= log.expires_at
-        ]:
-            del self._logs[reply_id]
+        # Expired replies go when touched, on the sweep, and on every ``stats`` (a quiet
+        # server's metrics must not count logs that have expired).
+        now, expired = time.monotonic(), []
+        for reply_id, at in self._ending.items():
+            if at > now:
+                break
+            expired.append(reply_id)
+        for reply_id in expired:
+            del self._ending[reply_id]
+            self._logs.pop(reply_id, None)
 
     def stats(self) -> ReplayStats:
         self._drop_expired()
@@ -598,11 +625,15 @@ class MemoryReplayStore:
         )
 
     async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for log in self._logs.values():
             log.dropped = True
             log.wake()
         self._logs.clear()
         self._deleted.clear()
+        self._ending.clear()
 
 
 def _no_producer(reply_id: str) -> None:
