@@ -4,18 +4,23 @@ A server that runs for weeks meets bursts and then quiet hours. What a burst lea
 of ended replies, kept for ``--reply-ttl-s``; the ids of deleted responses, told as deleted
 for a minute; a rate bucket per client) must go once its time is up, whether or not more
 requests come or metrics are scraped: before, the memory store dropped expired logs only
-every 256 new replies (or on a scrape), so a quiet server held the last burst's replies for
+every 256 new replies (or on a scrape), and the per-client limits forgot refilled buckets
+only every 1,024 requests, so a quiet server held the last burst's replies and clients for
 good.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import aiohttp
 import pytest
 
 from replystream.delivery import replay
 from replystream.delivery.replay import MemoryReplayStore
-from replystream.server import create_app, running
+from replystream.server import create_app, guard, running
+from replystream.server.guard import GATE_KEY
+from replystream.server.guard_config import GuardConfig, parse_trusted_proxies
 from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine, wait_for
 
@@ -45,3 +50,37 @@ async def test_an_idle_server_frees_expired_replies_and_old_deletes(
         assert len(store._deleted) == REPLIES
         # Nothing more is asked (not even metrics): the store frees them on its own.
         await wait_for(lambda: not store._logs and not store._deleted, timeout_s=5.0)
+
+
+async def test_an_idle_server_forgets_the_rate_buckets_of_its_clients(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    monkeypatch.setattr(guard, "BUCKETS_SWEPT_EVERY_S", 0.2)
+    proxies = parse_trusted_proxies(["127.0.0.1"])
+    # A request's token comes back in a hundredth of a second: each bucket is full at once.
+    config = ServerConfig(guard=GuardConfig(per_minute=6000, trusted_proxies=proxies))
+    app = create_app(fast_engine(delay_ms=1.0, jitter_ms=0.0), config)
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        for n in range(REPLIES):
+            client = {"X-Forwarded-For": f"203.0.113.{n}"}
+            async with http.get(f"{url}/wait?max_tokens=1", headers=client) as response:
+                assert response.status == 200
+        gate = app[GATE_KEY]
+        assert len(gate._buckets) == REPLIES
+        await wait_for(lambda: not gate._buckets, timeout_s=5.0)
+
+
+async def test_a_client_at_its_rate_limit_keeps_its_bucket_through_the_sweeps(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    monkeypatch.setattr(guard, "BUCKETS_SWEPT_EVERY_S", 0.1)
+    app = create_app(fast_engine(), ServerConfig(guard=GuardConfig(per_minute=2)))
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        statuses = []
+        for _ in range(3):
+            async with http.get(f"{url}/wait?max_tokens=1") as response:
+                statuses.append(response.status)
+        await asyncio.sleep(0.5)  # several sweeps: a drained bucket refills in 30 s
+        async with http.get(f"{url}/wait?max_tokens=1") as response:
+            statuses.append(response.status)
+    assert statuses == [200, 200, 429, 429]

@@ -375,6 +375,7 @@ def create_app(
     async def close_all(app: web.Application) -> None:
         await app[MANAGER_KEY].aclose()
         app[KEEPALIVE_CLOCK_KEY].close()
+        app[GATE_KEY].close()
         await app[ENGINE_KEY].aclose()
         if app[STORE_KEY] is not app[LOCAL_STORE_KEY]:
             await app[STORE_KEY].aclose()

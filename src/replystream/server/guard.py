@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import re
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -33,6 +34,8 @@ LIMITED_PREFIXES = ("/v1/", "/wait", "/stream")
 # client at its cap could not stop a background response otherwise); the rate counts them.
 _STOPS = re.compile(r"^/v1/(?:replies|responses)/[^/]+/cancel$")
 _STORED_RESPONSE = re.compile(r"^/v1/responses/[^/]+$")
+# How often the rate buckets that have refilled are forgotten (one drained refills in a minute).
+BUCKETS_SWEPT_EVERY_S = 60.0
 
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -133,7 +136,9 @@ class ClientGate:
         # identity -> its replies running for no request: background, or detached
         self.unattended: dict[str, int] = {}
         self._buckets: dict[str, tuple[float, float]] = {}  # identity -> (tokens, at)
-        self._admits = 0
+        # Forgets the buckets that have refilled, whether or not more requests come: a quiet
+        # server would otherwise keep one for every client of its last busy minute.
+        self._sweeper: asyncio.TimerHandle | None = None
 
     @property
     def limits(self) -> bool:
@@ -162,9 +167,9 @@ class ClientGate:
         if tokens < 1.0:
             return (1.0 - tokens) / rate
         self._buckets[identity] = (tokens - 1.0, now)
-        self._admits += 1
-        if self._admits % 1024 == 0:
-            self._forget_full_buckets(now)
+        if self._sweeper is None:
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.call_later(BUCKETS_SWEPT_EVERY_S, self._forget_full_buckets)
         return None
 
     def hold_background(self, identity: str) -> Callable[[], None] | None:
@@ -198,12 +203,23 @@ class ClientGate:
     def release(self, identity: str) -> None:
         _count_down(self.open, identity)
 
-    def _forget_full_buckets(self, now: float) -> None:
-        # A bucket that has refilled completely carries no state worth keeping.
-        full_after = 60.0
-        for identity, (_, at) in list(self._buckets.items()):
-            if now - at >= full_after:
+    def close(self) -> None:
+        """The server is done: no more sweeps."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    def _forget_full_buckets(self) -> None:
+        """Forget the buckets that have refilled: one carries nothing a new one would not.
+        Their times are the front door's, ``time.monotonic``'s."""
+        self._sweeper = None
+        now, most, rate = time.monotonic(), float(self.per_minute), self.per_minute / 60.0
+        for identity, (tokens, at) in list(self._buckets.items()):
+            if tokens + (now - at) * rate >= most:
                 del self._buckets[identity]
+        if self._buckets:
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.call_later(BUCKETS_SWEPT_EVERY_S, self._forget_full_buckets)
 
 
 def _count_down(counts: dict[str, int], identity: str) -> None:
