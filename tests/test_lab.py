@@ -447,6 +447,29 @@ async def test_ctrl_c_before_the_calls_were_sent_says_nothing_was_measured():
     ]
 
 
+def _hears_ctrl_c() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a terminal's foreground job does
+
+
+@LINUX_ONLY
+async def test_ctrl_c_tells_nothing_of_the_labs_own_server_stopping():
+    # The lab stops the server it started: that server's log of its own stop (the replies it
+    # was still making, its grace) reached the terminal under the report, a line of a process
+    # the operator never started, naming a 10 s grace the lab does not wait.
+    lab = await asyncio.create_subprocess_exec(
+        *LAB, "--calls", "3", "--tokens", "500", "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=_hears_ctrl_c,
+    )  # fmt: skip
+    await wait_for(lambda: bool(children_of(lab.pid)), timeout_s=60)  # its server started
+    await asyncio.sleep(2.0)  # warmed up, and the calls under way (500 tokens: 16 s)
+    lab.send_signal(signal.SIGINT)
+    async with asyncio.timeout(30):
+        out, err = await lab.communicate()
+    assert lab.returncode == 130, err
+    assert json.loads(out)["interrupted"] is True
+    assert err.decode() == ""
+
+
 def test_the_timeline_shows_a_pair_complete_in_both_modes_and_marks_an_incomplete_call(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

@@ -252,7 +252,7 @@ async def _run(config: LabConfig, quiet: bool, interrupt: asyncio.Event) -> LabR
 
         if config.url:
             return await run_experiment(config, config.url, on_done, interrupt)
-        async with local_server(config.server_args()) as url:
+        async with local_server(config.server_args(), interrupt=interrupt) as url:
             return await run_experiment(config, url, on_done, interrupt)
 
 

@@ -75,14 +75,21 @@ async def _pass_on(stream: asyncio.StreamReader, quiet: asyncio.Event) -> None:
 
 @contextlib.asynccontextmanager
 async def announced_process(
-    command: Sequence[str], ready: re.Pattern[str], *, name: str, ready_timeout_s: float = 30.0
+    command: Sequence[str],
+    ready: re.Pattern[str],
+    *,
+    name: str,
+    ready_timeout_s: float = 30.0,
+    interrupt: asyncio.Event | None = None,
 ) -> AsyncIterator[LocalServer]:
     """Run ``command``, wait for a stdout line matching ``ready`` (group 1: the URL); yield
     the URL and pid; stop it on exit. A child that exits before it is ready, or while in
     use, is an error: measuring a dead server would report nonsense. What the child writes to
     its stderr is written to ours, but for what it says while the tool, interrupted (Ctrl-C),
     stops it: the replies it was still sending, its own stop, when the operator asked for the
-    tool to stop and is told so in one line."""
+    tool to stop and is told so in one line. A tool that takes Ctrl-C as "stop and report"
+    ends its work normally: ``interrupt``, set by then, says it was interrupted all the
+    same."""
     process = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, **owned_child()
     )
@@ -109,6 +116,8 @@ async def announced_process(
         quiet.set()
         raise
     finally:
+        if interrupt is not None and interrupt.is_set():
+            quiet.set()
         await stop_process(process)
         # To its end, so that a child's last words come before the tool's; the pipe may be
         # held open a little longer by its own children (a server's workers).
@@ -118,28 +127,39 @@ async def announced_process(
 
 @contextlib.asynccontextmanager
 async def serve_process(
-    args: Sequence[str], *, ready_timeout_s: float = 30.0
+    args: Sequence[str],
+    *,
+    ready_timeout_s: float = 30.0,
+    interrupt: asyncio.Event | None = None,
 ) -> AsyncIterator[LocalServer]:
-    """Run ``replystream serve --port 0 ARGS``; yield its URL and pid; stop it on exit."""
+    """Run ``replystream serve --port 0 ARGS``; yield its URL and pid; stop it on exit (told
+    nothing of its stop once ``interrupt`` is set)."""
     command = [sys.executable, "-m", "replystream", "serve", "--host", "127.0.0.1"]
     async with announced_process(
         [*command, "--port", "0", *args],
         READY,
         name="replystream serve",
         ready_timeout_s=ready_timeout_s,
+        interrupt=interrupt,
     ) as server:
         yield server
 
 
 @contextlib.asynccontextmanager
-async def local_server(args: Sequence[str], *, ready_timeout_s: float = 30.0) -> AsyncIterator[str]:
-    """Run ``replystream serve --port 0 ARGS`` and yield its base URL; stop it on exit.
+async def local_server(
+    args: Sequence[str],
+    *,
+    ready_timeout_s: float = 30.0,
+    interrupt: asyncio.Event | None = None,
+) -> AsyncIterator[str]:
+    """Run ``replystream serve --port 0 ARGS`` and yield its base URL; stop it on exit (told
+    nothing of its stop once ``interrupt`` is set).
 
     The engine is the simulated one unless ARGS choose another: lab tools need its schedule.
     """
     if "--engine" not in args:
         args = ["--engine", "simulated", *args]
-    async with serve_process(args, ready_timeout_s=ready_timeout_s) as server:
+    async with serve_process(args, ready_timeout_s=ready_timeout_s, interrupt=interrupt) as server:
         yield server.url
 
 
