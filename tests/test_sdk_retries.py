@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
 import aiohttp
 import anthropic
@@ -53,16 +54,24 @@ class QuotaSpent:
 
 
 @asynccontextmanager
-async def relay_to(upstream: QuotaSpent) -> AsyncIterator[str]:
-    """A relay passing each caller's key on to ``upstream``; yields its base URL."""
-    async with running(upstream.app()) as upstream_url:
-        target = UpstreamTarget(f"{upstream_url}/v1", pass_client_key=True, models=("open",))
-        engine = UpstreamEngine(UpstreamConfig((target,)))
+async def relay_in_front(
+    upstream: web.Application, *more: UpstreamTarget, **first: Any
+) -> AsyncIterator[str]:
+    """A relay to ``upstream`` (its target's fields ``first``), then ``more``; yields its
+    base URL."""
+    async with running(upstream) as upstream_url:
+        targets = (UpstreamTarget(f"{upstream_url}/v1", **first), *more)
+        engine = UpstreamEngine(UpstreamConfig(targets))
         try:
             async with running(create_app(engine)) as url:
                 yield url
         finally:
             await engine.aclose()
+
+
+def relay_to(upstream: QuotaSpent) -> AbstractAsyncContextManager[str]:
+    """A relay passing each caller's key on to ``upstream``; yields its base URL."""
+    return relay_in_front(upstream.app(), pass_client_key=True, models=("open",))
 
 
 async def test_a_wait_of_an_hour_is_not_slept_through_by_either_sdk():
@@ -128,18 +137,10 @@ class Refusing:
         return app
 
 
-@asynccontextmanager
-async def relay_keyless(upstream: Refusing, *more: UpstreamTarget) -> AsyncIterator[str]:
+def relay_keyless(upstream: Refusing, *more: UpstreamTarget) -> AbstractAsyncContextManager[str]:
     """A relay to ``upstream`` (then ``more``) with no key of its own for it; yields its
     base URL."""
-    async with running(upstream.app()) as upstream_url:
-        targets = (UpstreamTarget(f"{upstream_url}/v1"), *more)
-        engine = UpstreamEngine(UpstreamConfig(targets))
-        try:
-            async with running(create_app(engine)) as url:
-                yield url
-        finally:
-            await engine.aclose()
+    return relay_in_front(upstream.app(), *more)
 
 
 async def test_a_relay_refused_for_its_own_configuration_is_not_retried():
