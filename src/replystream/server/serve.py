@@ -197,16 +197,17 @@ async def serve_forever(
     stop = asyncio.Event()
     running: list[RunningServer] = []  # the server, once it serves
 
-    def stop_or_hurry() -> None:
-        # A second stop signal ends the grace. Not in a worker: a signal sent to the whole
-        # group reaches it twice (from there and from its parent), one stop for the operator.
-        if stop.is_set() and parent_pid is None and running:
+    def hurry() -> None:  # the stop, with no grace
+        if running:
             running[0].end_grace()
         stop.set()
 
-    def hurry() -> None:  # a worker's parent stopped again: the stop, with no grace
-        if running:
-            running[0].end_grace()
+    def stop_or_hurry() -> None:
+        # A second stop signal ends the grace. Not in a worker: a signal sent to the whole
+        # group reaches it twice (from there and from its parent), one stop for the operator;
+        # its parent's second is ``HURRY_SIGNAL``.
+        if stop.is_set() and parent_pid is None:
+            hurry()
         stop.set()
 
     loop = asyncio.get_running_loop()

@@ -139,7 +139,8 @@ def run_workers(
     ``announce(url)`` once every worker accepts connections; a worker that exits before that
     stops the server (``START_FAILED_EXIT``), without that line. The parent forwards SIGINT and
     SIGTERM (each worker then shuts down gracefully; one still starting, deaf to SIGINT, gets
-    SIGTERM), starts again a worker that exits on its own (waiting longer after each exit in a
+    SIGTERM; a second sends the serving workers ``HURRY_SIGNAL``, which ends their grace),
+    starts again a worker that exits on its own (waiting longer after each exit in a
     row of its slot: ``restart_backoff``), and returns when all have stopped: a worker still
     there ``STOP_MARGIN_S`` past the shutdown grace (``grace_s``) is killed. A worker that
     refuses to start (``REFUSED_EXIT``: its command line, or a file it names, cannot be served)
