@@ -8,6 +8,7 @@ import pytest
 
 from replystream.client import ReplyTiming
 from replystream.lab.diagnosis import Thresholds, bursts_of, compare, diagnose
+from replystream.lab.doctor import describe
 
 SSE = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 
@@ -166,3 +167,12 @@ def test_compare_blames_the_hop_between_a_streaming_app_and_a_buffering_proxy():
     assert "the app streams" in compare(direct, proxied)
     assert "fix the app" in compare(proxied, proxied)
     assert "both paths stream" in compare(direct, direct)
+
+
+def test_a_burst_of_one_event_is_said_as_one():
+    # Held, then a lone last event long after: its burst is "1 event", not "1 events".
+    times = [1000.0 + 0.01 * i for i in range(100)] + [3000.0]
+    result = diagnose(timing(times, headers={**SSE, "server": "nginx"}))
+    assert result.verdict in ("bursty", "buffered"), result.verdict
+    (shown,) = [line for line in describe(result) if line.lstrip().startswith("bursts:")]
+    assert "100 events (~" in shown and "1 event (~" in shown, shown

@@ -153,7 +153,9 @@ def describe(d: Diagnosis) -> list[str]:
         )
     if d.verdict in ("bursty", "buffered"):
         shown = ", ".join(
-            f"{b.events} events (~{b.approx_bytes:,} B) at {b.at_ms:,.0f} ms" for b in d.bursts[:8]
+            f"{b.events} event{'s' if b.events != 1 else ''} (~{b.approx_bytes:,} B) "
+            f"at {b.at_ms:,.0f} ms"
+            for b in d.bursts[:8]
         )
         more = f", ... ({len(d.bursts)} bursts)" if len(d.bursts) > 8 else ""
         lines.append(f"  bursts:             {shown}{more}")
