@@ -4,8 +4,10 @@ For the replies produced here, one script call (one per hash slot for a Cluster:
 ``HEARTBEAT_SCRIPT``) refreshes each one's liveness key and its keys' TTL (a reply may make
 no event for longer than the TTL and still live), bumps its heartbeat count, passes on
 a cancel asked on another replica, finds a delete made on another replica (the producer stops
-and what it wrote meanwhile is deleted), tells whether a reader elsewhere follows it (its
-reader mark: a detached reply goes on while read), and asks its stream's length. A count
+and what it wrote meanwhile is deleted) or the reply found lost there (this process stalled
+past its liveness: its producer stops, as its readers elsewhere were told), tells whether a
+reader elsewhere follows it (its reader mark: a detached reply goes on while read), and asks
+its stream's length. A count
 started again at 1 (the metadata was gone) or a stream shorter than what Redis acknowledged
 means Redis evicted part of the reply: the writer writes it again from its copy
 (``Failover.rewrite``). For the replies produced elsewhere that a reader here follows, it
@@ -219,6 +221,9 @@ class Heartbeat:
                 writer.forget(reply_id)
             if cancelled:
                 writer.stop(reply_id)
+            if beat == -1:  # found lost while this process stalled: it ends as told
+                writer.taken_for_lost(reply_id)
+                continue
             if beat == 0:
                 continue
             if beat == 1:

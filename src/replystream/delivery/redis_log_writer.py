@@ -40,6 +40,7 @@ from replystream.delivery.redis_link import (
 from replystream.delivery.redis_reply_tables import ReplyTables
 from replystream.delivery.redis_rows import text
 from replystream.delivery.redis_writes import (
+    LOST_REFUSAL,
     WRITE_SCRIPT,
     Waiting,
     WriteBatch,
@@ -87,6 +88,8 @@ class LogWriter:
         self.flushing = asyncio.Lock()
         # Stops a reply's producer (``on_cancel``): a cancel, or a delete found in Redis.
         self.stop_producer: Callable[[str], None] | None = None
+        # Stops a reply's producer as lost (``on_lost``): readers elsewhere were told so.
+        self.lost_producer: Callable[[str], None] | None = None
         self._write = self.redis.register_script(WRITE_SCRIPT)
         self.writes = 0  # script calls sent (for benchmarks)
         self.failover = Failover(
@@ -172,6 +175,21 @@ class LogWriter:
         """Stop a reply's producer, if this store has been told how."""
         if self.stop_producer is not None:
             self.stop_producer(reply_id)
+
+    def taken_for_lost(self, reply_id: str) -> None:
+        """A reader on another replica found this reply's producer lost (this process was
+        stalled past its liveness: stopped, frozen) and told its readers so
+        (``redis_writes.LOST_SCRIPT``): Redis takes nothing more of it, and its producer
+        stops, its readers here told the same."""
+        tables = self.tables
+        tables.failures[reply_id] = "its producer was found lost on another replica"
+        tables.pending.pop(reply_id, None)
+        tables.endings.pop(reply_id, None)
+        tables.dirty.discard(reply_id)
+        if reply_id not in tables.live:
+            tables.ended_unsent(reply_id)
+        elif self.lost_producer is not None:
+            self.lost_producer(reply_id)
 
     # Flushing.
 
@@ -285,9 +303,12 @@ class LogWriter:
             return waiting
         refused = answer[1:]
         for index, error in zip(refused[::2], refused[1::2], strict=True):
-            reason = text(error)
+            reason, reply_id = text(error), batch.reply_ids[int(index)]
+            if reason == LOST_REFUSAL:
+                self.taken_for_lost(reply_id)
+                continue
             log.warning("reply log write to Redis refused: %s", reason)
-            self.tables.failures[batch.reply_ids[int(index)]] = f"Redis write failed: {reason}"
+            self.tables.failures[reply_id] = f"Redis write failed: {reason}"
         _settle(waiting, None)
         self.failover.counted(group, int(answer[0]), sent)
         return None

@@ -5,16 +5,18 @@ with the reply's metadata and newest entry in the same round trip, so it knows t
 size and whether the reply ended. One that has read everything waits on the one blocking
 ``XREAD`` this process shares (``redis_follow.StreamWatch``); when nothing came, it checks
 that the producer lives: its liveness key, or, that key gone (expired, or evicted), its
-heartbeat count moving within ``BEAT_CONFIRM_S``; a producer so found lost is remembered for
-``LOST_REMEMBERED_S``, so the next read of its reply (a response's object asked for again, a
-resume) is told at once rather than after another such wait. A missing key is never taken
+heartbeat count moving within ``BEAT_CONFIRM_S``; a producer so found lost is settled lost
+in Redis (``redis_writes.LOST_SCRIPT``, unless it moved meanwhile), so the next read of its
+reply on any replica (a response's object asked for again, a resume) is told at once, and
+the producer, should it come back (a process paused and let go on), writes nothing more into
+it. A missing key is never taken
 for something else: a stream gone behind an ended reply is a gap up to the ``last`` its
 metadata keeps, then the ending; metadata gone behind a surviving stream is reported as
 evicted; only a reply whose every key is gone (and no producer writing it again) reads as
 unknown, and to a reader that was following it only once its producer has had
 ``BEAT_CONFIRM_S`` to write it again (every key of a live reply evicted at once, its
 liveness key among them). Every read is retried through a failover
-(``RedisLink.retrying``). This file reads; it writes nothing.
+(``RedisLink.retrying``). This file reads; it writes only that mark.
 """
 
 from __future__ import annotations
@@ -44,12 +46,10 @@ from replystream.delivery.redis_rows import (
     seq_of,
     text,
 )
+from replystream.delivery.redis_writes import LOST_SCRIPT
 from replystream.delivery.replay import DELETED, Gone, LogTail, ReadResult, ReplyInfo
 
 READ_BATCH = 1000
-# How long a producer found lost is taken as lost without asking again. Events its reply
-# gains meanwhile (a producer back from a partition) are read before this is looked at.
-LOST_REMEMBERED_S = 30.0
 
 
 class Found(NamedTuple):
@@ -70,7 +70,7 @@ class RemoteReads:
         self.watch = StreamWatch(self.redis, READ_BATCH, keys.slot_of_key)
         self.gaps = 0  # readers' reads that told of lost entries
         self.evictions = 0  # keys found evicted
-        self._lost: dict[str, float] = {}  # replies whose producer was found lost, and when
+        self._settle = self.redis.register_script(LOST_SCRIPT)
 
     async def info(self, reply_id: str) -> Found:
         """What Redis keeps of a reply (its owner, context, dialect and keep-alive), or why
@@ -193,7 +193,14 @@ class RemoteReads:
         self, reply_id: str, after: int, wait_s: float
     ) -> tuple[ReadResult | None, Offsets]:
         result, offsets = await self._read_remote(reply_id, after)
-        if result is None or result.entries or result.lost or result.ending or wait_s <= 0:
+        if (
+            result is None
+            or result.entries
+            or result.lost
+            or result.ending
+            or result.producer_lost
+            or wait_s <= 0
+        ):
             return result, offsets
         # Nothing new: wait for an entry on the read every follower here shares.
         return await self._follow_once(reply_id, after, wait_s)
@@ -208,11 +215,8 @@ class RemoteReads:
         result, offsets = await self._read_remote(reply_id, after)
         if result is None:
             return await self._written_again(reply_id, after)
-        if result.entries or result.lost or result.ending:
+        if result.entries or result.lost or result.ending or result.producer_lost:
             return result, offsets
-        found_lost = self._lost.get(reply_id)
-        if found_lost is not None and time.monotonic() - found_lost < LOST_REMEMBERED_S:
-            return ReadResult([], result.lost, None, producer_lost=True), offsets
         alive = self._link.recovering() or await self.redis.exists(
             self._keys.key(reply_id, ":live")
         )
@@ -226,14 +230,25 @@ class RemoteReads:
             result, offsets = await self._read_remote(reply_id, after)
             if result is None or result.entries or result.lost or result.ending:
                 return result, offsets
+            if result.producer_lost:  # settled by another reader meanwhile
+                return result, offsets
             now = await self.redis.hget(self._keys.key(reply_id, ":meta"), "beat")
             # Still, while Redis refuses this process's writes too: its producer's beats
             # fail as ours do, and it may well live (waited for through the failover
             # window, then told as Redis unavailable).
             alive = (now is not None and now != beat) or self._link.refusing_writes()
             if not alive:
-                self._remember_lost(reply_id)
+                # Settled in Redis, for every replica, unless the producer moved since.
+                alive = not await self._settle_lost(reply_id, now, after)
         return ReadResult([], result.lost, None, producer_lost=not alive), offsets
+
+    async def _settle_lost(self, reply_id: str, beat: bytes | str | None, after: int) -> bool:
+        """Mark a reply's producer lost in Redis (``LOST_SCRIPT``), its count found standing
+        at ``beat`` and nothing logged past ``after``; False if it moved meanwhile (it is
+        back: the reader reads on)."""
+        keys = [self._keys.key(reply_id, part) for part in (":meta", ":live", "")]
+        settled = await self._settle(keys=keys, args=[text(beat), after])
+        return bool(settled)
 
     async def _written_again(self, reply_id: str, after: int) -> tuple[ReadResult | None, Offsets]:
         """A reply found gone under a reader that was following it, not ended, read again
@@ -255,12 +270,6 @@ class RemoteReads:
             if result is not None:
                 return result, offsets
         return None, Offsets(None, None)
-
-    def _remember_lost(self, reply_id: str) -> None:
-        now = time.monotonic()
-        for old in [r for r, at in self._lost.items() if now - at >= LOST_REMEMBERED_S]:
-            del self._lost[old]
-        self._lost[reply_id] = now
 
     async def newest_write(self, reply_id: str) -> Newest:
         """The size of a reply's log in Redis so far, and what its latest write added."""
@@ -296,6 +305,10 @@ class RemoteReads:
             if not await self._producer_may_write(reply_id):
                 return None, Offsets(None, logged)
         result, offsets = result_of(rows, after, READ_BATCH)
+        if meta.lost and not rows:
+            # Its producer was found lost (by a reader here or elsewhere): everything it
+            # logged before is read, then that, at once and for good.
+            result = ReadResult([], result.lost, None, producer_lost=True)
         return result, Offsets(offsets.before_first, logged)
 
     async def _producer_may_write(self, reply_id: str) -> bool:

@@ -35,7 +35,8 @@ KeyOf = Callable[..., str]  # (reply id[, part]) -> key
 # from, the dialect (``ReplyInfo.dialect``), the keep-alive interval asked (its
 # ``keepalive_s`` as text; "": none), then 4 values per entry: seq, type ("": none), data,
 # log size]. A reply deleted since its state was read is left alone (a delete's mark
-# is never written over): 0. An
+# is never written over): 0; so is one whose producer was found lost (``LOST_SCRIPT``: its
+# readers were told so; its producer hears at its next heartbeat). An
 # append to a stream that is no longer as it was read (another primary answered that read,
 # while a demoted one still took writes) writes nothing either, as it would leave a hole: 2,
 # and the repair is planned again. The ending's marks in the metadata are
@@ -45,6 +46,7 @@ REPAIR_SCRIPT = """
 local r = cjson.decode(ARGV[1])
 local stream, meta = KEYS[1], KEYS[2]
 if redis.call('HEXISTS', meta, 'deleted') == 1 then return 0 end
+if redis.call('HEXISTS', meta, 'lost') == 1 then return 0 end
 if r[1] == 1 then
   redis.call('DEL', stream)
   redis.call('HSET', meta, 'owner', r[2], 'context', r[3])

@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 from replystream.delivery.replay import LogEntry, ReadResult
 
 # The metadata's fields a read needs: whether it is there (every reply has an owner, "" with
-# auth off), the ending and last event's number an ended reply leaves in it, and the mark a
-# delete leaves in its place.
-META_READ = ("owner", "end", "last", "deleted")
+# auth off), the ending and last event's number an ended reply leaves in it, the mark a
+# delete leaves in its place, and the mark of a producer found lost (``redis_writes``).
+META_READ = ("owner", "end", "last", "deleted", "lost")
 
 
 class Offsets(NamedTuple):
@@ -40,13 +40,15 @@ class Meta(NamedTuple):
     last: int  # its last event's number (when ended)
     # Deleted: whatever its producer writes until it hears of it is not the reply.
     deleted: bool
+    # Its producer was found lost, and readers told so: the reply takes no more events.
+    lost: bool
 
     @classmethod
     def of(cls, fields: Sequence[bytes | None]) -> Meta:
-        owner, end, last, deleted = fields
+        owner, end, last, deleted, lost = fields
         ending = None if end is None else end.decode()
         last_seq = int(last) if last is not None else 0
-        return cls(owner is not None, ending, last_seq, deleted is not None)
+        return cls(owner is not None, ending, last_seq, deleted is not None, lost is not None)
 
 
 def seq_of(entry_id: bytes) -> int:

@@ -6,8 +6,9 @@ Cluster hash tag, so all of a reply's keys share one hash slot and one shard: ``
   terminal entry the ending (``delivery.redis_rows``). Trimmed to where the producer's copy
   of the reply starts (a log's bounds: ``replay.MAX_LOG_ENTRIES``, ``MAX_LOG_BYTES``).
 - ``P{id}:meta``: a hash with the owner and the route's context, the producer's heartbeat
-  count (``beat``, bumped every second while it generates) and, once the reply has ended, its
-  ending and last event's number (``end``, ``last``); ``P{id}:live``: the producer's liveness
+  count (``beat``, bumped every second while it generates), once the reply has ended, its
+  ending and last event's number (``end``, ``last``), and ``lost`` once a reader found its
+  producer lost (the reply takes nothing more); ``P{id}:live``: the producer's liveness
   key, set for ``liveness_s`` and refreshed every second while it generates;
   ``P{id}:cancel``: a cancel request from another replica (its id published on the channel
   ``Pcancels`` too); ``P{id}:read``: a reader's mark, set for ``liveness_s`` and refreshed
@@ -265,6 +266,9 @@ class RedisReplayStore:
 
     def on_cancel(self, stop: Callable[[str], None]) -> None:
         self.writer.stop_producer = stop
+
+    def on_lost(self, stop: Callable[[str], None]) -> None:
+        self.writer.lost_producer = stop
 
     def release(self, reply_id: str, upto: int) -> None:
         # Only this process's copy: Redis keeps a reply for whoever resumes it, until its TTL.

@@ -55,7 +55,8 @@ from replystream.delivery.replay import LogEntry, ReplyInfo, data_bytes
 # A reply deleted (``DELETE_SCRIPT``) on another replica is written to until its producer
 # hears of it at its next heartbeat: its stream, which the delete removed, is not made again
 # (a reader following it would read what was said after the delete, or a gap where the
-# deleted events were); its ending, if it comes first, deletes what was.
+# deleted events were); its ending, if it comes first, deletes what was. A reply whose
+# producer was found lost (``LOST_SCRIPT``) takes nothing more: refused, ``LOST_REFUSAL``.
 # Returns {count, index, error, index, error, ...}: the writer's count of its calls after this
 # one (INCR-ed last, so a count that survives a failover vouches for every write before it),
 # then the replies (from 0) whose writes Redis refused; or {0, count} when the count Redis
@@ -91,6 +92,9 @@ end
 -- One reply's entries and ending; what Redis refused of them, if anything.
 local function write(r)
   local key, trim, ending = KEYS[r[1]], r[2], r[4]
+  -- Its producer was found lost (``LOST_SCRIPT``) and its readers told so: it was stalled,
+  -- and is back. Nothing it says now is the reply.
+  if redis.call('HEXISTS', key .. ':meta', 'lost') == 1 then return 'LOST' end
   local life = hold
   if ending ~= cjson.null then life = ttl end
   -- Whether this call made the stream: one gone (evicted, expired) is made again by the
@@ -168,7 +172,8 @@ return out
 # beat (``redis_link.live_hold_s``: a reply that makes no event for longer than the TTL still
 # lives, and a metadata hash the count makes anew gets it). Returns, per reply: 1 if a cancel was
 # requested (else 0), its heartbeat count after this beat (1: its metadata was gone; 0: the
-# reply was deleted, and what its producer wrote of it since is deleted now), its stream's
+# reply was deleted, and what its producer wrote of it since is deleted now; -1: its producer
+# was found lost, ``LOST_SCRIPT``, and its liveness is not refreshed), its stream's
 # length (shorter than what Redis acknowledged: evicted), and 1 if a reader on another
 # replica follows it (else 0).
 HEARTBEAT_SCRIPT = """
@@ -178,6 +183,12 @@ for i = 1, #KEYS, 5 do
     redis.call('DEL', KEYS[i], KEYS[i + 1], KEYS[i + 3])
     out[#out + 1] = 1
     out[#out + 1] = 0
+    out[#out + 1] = 0
+    out[#out + 1] = 0
+  elseif redis.call('HEXISTS', KEYS[i + 2], 'lost') == 1 then
+    -- Found lost while its producer was stalled: it is not made live again.
+    out[#out + 1] = 0
+    out[#out + 1] = -1
     out[#out + 1] = 0
     out[#out + 1] = 0
   else
@@ -201,6 +212,34 @@ DELETE_SCRIPT = """
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
 redis.call('HSET', KEYS[2], 'deleted', 1)
 redis.call('EXPIRE', KEYS[2], ARGV[1])
+"""
+
+# What ``WRITE_SCRIPT`` answers for a reply found lost, which its producer tells from any
+# other refusal (those begin ``ERR `` or ``WRONGTYPE ``).
+LOST_REFUSAL = "LOST"
+
+# KEYS: a reply's meta, live and stream keys; ARGV[1]: its heartbeat count as a reader saw it
+# stand still ("": none), ARGV[2]: the number of the last event that reader has. A reader
+# that found the producer's liveness key gone and its count still settles it lost, here, for
+# every replica: the metadata is marked ``lost``, so every later read (a resume, a response's
+# object, on any replica) is told so at once, and the producer, should it come back (a
+# process stopped and let go on, a VM frozen, a partition healed), finds its writes refused
+# (``WRITE_SCRIPT``) and its liveness no longer refreshed (``HEARTBEAT_SCRIPT``), and stops:
+# no reader is told the reply is lost and then finds it going on. Unless the producer moved
+# meanwhile (its liveness key back, its count moved, an event past that reader's last, or the
+# reply ended): then 0, and nothing is marked; else 1 (marked now, or before). Metadata gone
+# or deleted is not marked (1: nothing says a producer lives).
+LOST_SCRIPT = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local meta = redis.call('HMGET', KEYS[1], 'owner', 'end', 'deleted', 'lost', 'beat')
+if meta[4] then return 1 end
+if meta[2] then return 0 end
+if not meta[1] or meta[3] then return 1 end
+if (meta[5] or '') ~= ARGV[1] then return 0 end
+local newest = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)[1]
+if newest and tonumber(string.sub(newest[1], 3)) > tonumber(ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[1], 'lost', 1)
+return 1
 """
 
 

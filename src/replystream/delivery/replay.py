@@ -315,6 +315,14 @@ class ReplayStore(Protocol):
         a reply produced in this process."""
         ...
 
+    def on_lost(self, stop: Callable[[str], None]) -> None:
+        """Call ``stop(reply_id)`` when a reply produced in this process was found lost by a
+        reader on another replica, and its readers told so (``generator_lost``): this
+        process stalled past its liveness (stopped, frozen, cut off) and is back. The reply
+        must end as they were told, not go on. A store no other process reads never calls
+        it."""
+        ...
+
     def read_elsewhere_at(self, reply_id: str) -> float | None:
         """When (``time.monotonic()``) a reader on another replica was last found following
         a reply produced in this process, within about ``liveness_s`` of its last read; None
@@ -542,6 +550,9 @@ class MemoryReplayStore:
 
     def on_cancel(self, stop: Callable[[str], None]) -> None:
         self._on_cancel = stop
+
+    def on_lost(self, stop: Callable[[str], None]) -> None:
+        pass  # no reader elsewhere: nobody but this process can call its producer lost
 
     def read_elsewhere_at(self, reply_id: str) -> float | None:
         return None  # one process: every reader of a reply is its producer's own

@@ -344,9 +344,17 @@ def create_app(
         if reply is not None:
             reply.stop("cancelled")
 
+    def lost_producer(reply_id: str) -> None:
+        """A reply made here that a reader elsewhere found lost (this process stalled past
+        its liveness) ends as its readers there were told."""
+        reply = app[MANAGER_KEY].get(reply_id)
+        if reply is not None:
+            reply.stop("taken_for_lost")
+
     local_store.on_cancel(stop_producer)
     if store is not None:
         store.on_cancel(stop_producer)
+        store.on_lost(lost_producer)
     # A HEAD of a route that generates or streams would start a generation and, on the direct
     # path, write a body no HEAD may have: such routes answer HEAD with 405 (docs/api.md).
     app.router.add_get("/wait", handle_wait, allow_head=False, expect_handler=expect_later)

@@ -27,7 +27,13 @@ from replystream.server.metrics import Outcome
 
 # How a reader, or the server, stops a reply (``Reply.stop``).
 StopReason = Literal[
-    "cancelled", "client_gone", "slow_client", "shutdown", "detach_expired", "detach_refused"
+    "cancelled",
+    "client_gone",
+    "slow_client",
+    "shutdown",
+    "detach_expired",
+    "detach_refused",
+    "taken_for_lost",
 ]
 Way = (
     Literal["finished", "moderated", "engine_error", "store_failure", "internal_error"] | StopReason
@@ -122,6 +128,20 @@ ENDINGS: dict[Way, EndingRule] = {
     # Its client left it as its key (or address) already had as many replies running for
     # nobody as it may have requests at once: stopped, as a reply nobody may resume is.
     "detach_refused": _stopped("detach_refused"),
+    # This process stalled past its liveness (stopped, frozen, cut off from the store), and
+    # a reader on another replica found the reply's producer lost and told its client so:
+    # back, the producer ends the reply as they were told (the store takes no more of it).
+    "taken_for_lost": EndingRule(
+        "errored",
+        "errored",
+        "error",
+        "generator_lost",
+        "the replica generating this reply stalled and was taken for gone",
+        "generator_lost",
+        logging.WARNING,
+        "stopped: this process stalled past its liveness, and readers on other replicas "
+        "were told the reply is lost",
+    ),
 }
 
 
