@@ -189,3 +189,30 @@ async def test_a_producer_that_moved_while_it_was_being_found_lost_is_not_marked
             assert await redis.hexists(meta, "lost")
         finally:
             await redis.aclose()
+
+
+async def test_a_relay_paused_past_its_stall_limit_reads_what_its_upstream_sent_meanwhile():
+    # The upstream goes on sending while the relay's process is stopped; its text waits in
+    # the socket. Back, the relay's watchdog (due long ago) must not call the upstream
+    # stalled before the relay has read what came.
+    upstream = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0", "--tokens", "80")
+    async with replica(*upstream) as (_, upstream_url):
+        relay_args = ("--engine", f"upstream:{upstream_url}/v1", "--upstream-stall-s", "1")
+        async with replica(*relay_args) as (relay, relay_url), aiohttp.ClientSession() as http:
+            body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+            async with http.post(f"{relay_url}/v1/chat/completions", json=body) as streamed:
+                events: list[Event] = []
+                reading = asyncio.create_task(events_of(streamed, events))
+                await asyncio.sleep(1.0)
+                relay.send_signal(signal.SIGSTOP)
+                await asyncio.sleep(3.0)
+                relay.send_signal(signal.SIGCONT)
+                async with asyncio.timeout(15):
+                    await reading
+    said = [e.data for e in events]
+    assert not [e for e in events if e.type == "error"], said[-1]
+    assert said[-1] == "[DONE]"
+    text = "".join(
+        json.loads(d)["choices"][0]["delta"].get("content") or "" for d in said if d != "[DONE]"
+    )
+    assert len(text.split()) == 80

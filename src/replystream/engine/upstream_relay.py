@@ -64,6 +64,13 @@ from replystream.engine.upstream_slots import SharedLimits
 
 log = logging.getLogger("replystream.upstream")
 
+# A watchdog's timer that fires this much past its time says this process did not run
+# meanwhile (stopped, a VM frozen, its CPU starved): the upstream's text may be waiting in the
+# socket, unread. It looks again ``STALLED_LOOK_S`` later, once the loop has read it, rather
+# than call the upstream stalled for the relay's own pause.
+LOOP_STALL_S = 1.0
+STALLED_LOOK_S = 0.25
+
 
 def _completes_stop(scan: StopScan, delta: Delta) -> bool:
     """Whether ``delta`` completes one of the request's stop strings in the text relayed so
@@ -90,6 +97,7 @@ class RelayedReply(AttemptSeries):
     # Thousands are open at once: slots instead of an instance dict (``AttemptSeries``
     # holds the attempts' own).
     __slots__ = (
+        "_check_at",
         "_continuation",
         "_continued",
         "_done",
@@ -149,6 +157,7 @@ class RelayedReply(AttemptSeries):
         # The watchdog (``_watch``): when the last text came, how long the next may take.
         self._loop = asyncio.get_running_loop()  # made by the engine's ``start``
         self._text_at = 0.0
+        self._check_at = 0.0  # when the watchdog's timer is due (``_arm``)
         self._limit = limits.ttft_s
         self._waiter: asyncio.Task[object] | None = None
         self._overdue = False
@@ -351,7 +360,7 @@ class RelayedReply(AttemptSeries):
                 self._end_whole()
                 return _Cut(index + 1, "stop")
         if first and not self._done:  # (an attempt this batch ended has no stall to watch for)
-            self._timer = self._loop.call_later(self._limit, self._check)
+            self._arm(self._limit)
         return None
 
     def _withheld_tail(self, delta: Delta) -> bool:
@@ -439,18 +448,28 @@ class RelayedReply(AttemptSeries):
         self._text_at = self._attempt_began
         self._limit = self._ttft_limit()
         due_in = self._text_at + self._limit - time.monotonic()
-        self._timer = self._loop.call_later(max(due_in, 0.0), self._check)
+        self._arm(max(due_in, 0.0))
+
+    def _arm(self, delay: float) -> None:
+        """The watchdog looks in ``delay`` seconds."""
+        self._check_at = time.monotonic() + delay
+        self._timer = self._loop.call_later(delay, self._check)
 
     def _check(self) -> None:
         self._timer = None
+        now = time.monotonic()
+        if now - self._check_at > LOOP_STALL_S:
+            # Due long ago: this process was stalled (stopped, frozen, starved), not the
+            # upstream, whose text may wait in the socket unread; looked at again once the
+            # loop has had turns to read it.
+            self._arm(STALLED_LOOK_S)
+            return
         stream = self._stream  # its upstream's thinking counts as progress, as text does
         progress = self._text_at if stream is None else max(self._text_at, stream.thought_at)
         due = progress + self._limit
-        now = time.monotonic()
         if now < due or (self._waiter is None and self._sink is None):
             # Text came since, or nobody reads yet: look again later.
-            delay = max(due - now, min(self._limit, 0.1))
-            self._timer = self._loop.call_later(delay, self._check)
+            self._arm(max(due - now, min(self._limit, 0.1)))
             return
         if stream is not None and stream.finish_seen:
             # Only the usage and [DONE] were still to come: the reply is whole, not stalled.
