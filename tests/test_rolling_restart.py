@@ -20,7 +20,7 @@ from replystream.server.serve import serving
 from replystream.server.server_config import ServerConfig
 from replystream.sse import EventParser
 from tests.conftest import fast_engine, wait_for
-from tests.processes import replica
+from tests.processes import replica, serving_with_stderr
 from tests.redis_server import redis_server
 from tests.stalling_proxy import small_send_buffer
 from tests.test_delivery_server import stalled_post
@@ -106,3 +106,31 @@ async def test_a_second_sigterm_during_the_grace_ends_it_and_tells_the_replies_i
     assert events[-1].type == "error", events[-1]
     assert json.loads(events[-1].data)["error"]["code"] == "shutdown"
     assert took < 10, took  # not the 60 s grace
+
+
+async def test_a_websocket_whose_client_leaves_as_the_server_stops_does_not_break_the_stop(
+    tmp_path: Path,
+):
+    # The client's socket closes, and SIGTERM comes while the session is winding down (its
+    # reply's reader ends with a call to Redis): the shutdown asked that session to say
+    # goodbye on a task group already ending, which raised out of the shutdown, and the
+    # server died with a traceback (exit status 1), its other replies told nothing.
+    with redis_server(tmp_path) as redis:
+        args = ("--engine", "simulated", "--delay-ms", "5", "--tokens", "50")
+        async with serving_with_stderr(*args, "--redis-url", redis.url) as (process, url, _):
+            http = aiohttp.ClientSession()
+            try:
+                socket = await http.ws_connect(f"{url}/v1/ws")
+                await socket.send_json({"type": "reply", "id": "q", "prompt": "x"})
+                async with asyncio.timeout(10):
+                    while (await socket.receive_json())["type"] not in ("done", "error"):
+                        pass
+            finally:
+                await http.close()  # the client leaves without a close handshake
+            process.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(20):
+                status = await process.wait()
+            assert process.stderr is not None
+            said = (await process.stderr.read()).decode()
+    assert status == 0, said
+    assert "Traceback" not in said

@@ -274,7 +274,12 @@ class Session:
         if not self._stopping.done():
             self._stopping.set_result(None)
         if self._group is not None and not self._closing:
-            self._group.create_task(self._close_for_shutdown(), name="ws-shutdown")
+            try:
+                self._group.create_task(self._close_for_shutdown(), name="ws-shutdown")
+            except RuntimeError:
+                # The group is ending already (its client left, or the socket is being cut):
+                # no goodbye is left to send, and the shutdown goes on to the other sockets.
+                pass
 
     async def _close_for_shutdown(self) -> None:
         readers = self.replies.tasks()
