@@ -1,4 +1,4 @@
-"""A replica that stops and comes back (a VM frozen, a container throttled, ``kill -STOP``).
+"""A server that stops and comes back (a VM frozen, a container throttled, ``kill -STOP``).
 
 Two ``replystream serve`` processes share a real redis-server; the one producing a reply is
 paused with SIGSTOP for longer than its liveness lasts, so that readers on the other replica
@@ -6,6 +6,11 @@ are told ``generator_lost``, then let go on with SIGCONT. What they were told mu
 true: the reply does not go on in Redis behind their backs (a resume finds no more events,
 a response told ``failed`` is never ``completed`` later), and the producer, back, stops it
 with the same ending for its own readers.
+
+A process back from a pause finds every timer due meanwhile firing at once, before it has
+read what its peers sent while it was stopped: its deadlines must not blame them for its own
+pause (a relay calling its upstream stalled, a server closing connections whose requests
+came in time).
 """
 
 from __future__ import annotations
@@ -216,3 +221,53 @@ async def test_a_relay_paused_past_its_stall_limit_reads_what_its_upstream_sent_
         json.loads(d)["choices"][0]["delta"].get("content") or "" for d in said if d != "[DONE]"
     )
     assert len(text.split()) == 80
+
+
+async def test_requests_sent_in_time_while_the_server_was_paused_are_answered_once_it_is_back():
+    # Each deadline (a request's headers, its body, a kept-alive connection's idleness) is a
+    # second; each server is stopped for three, and its client sends in time, meanwhile.
+    statuses = await asyncio.gather(*(answer_across_a_pause(case) for case in CASES))
+    assert [line.split(b" ")[1:2] for line in statuses] == [[b"200"]] * 3, statuses
+
+
+CASES = ("headers sent in the pause", "body finished in the pause", "kept alive, asked again")
+BODY = b'{"prompt": "x", "stream": false}'
+REQUEST = (
+    b"POST /v1/replies HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+)
+
+
+async def answer_across_a_pause(case: str) -> bytes:
+    """The status line a server stopped for 3 s answers a request sent meanwhile (one server
+    per case, so that its deadline is the only one due)."""
+    limits = ("--header-timeout-s", "1", "--body-timeout-s", "1", "--idle-timeout-s", "1")
+    args = ("--engine", "simulated", "--delay-ms", "1", "--tokens", "3", *limits)
+    async with replica(*args) as (server, url):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        rest = REQUEST
+        if case == CASES[1]:
+            writer.write(REQUEST[:-5])  # the headers and some of the body
+            rest = REQUEST[-5:]
+        elif case == CASES[2]:
+            writer.write(REQUEST)  # answered, the connection is kept alive, idle
+            async with asyncio.timeout(5):
+                assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+                await reader.readuntil(b"}}")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        server.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(0.2)
+            writer.write(rest)
+            await asyncio.sleep(3.0)
+        finally:
+            server.send_signal(signal.SIGCONT)
+        try:
+            async with asyncio.timeout(10):
+                return await reader.readline() or b"closed"
+        except ConnectionError as exc:
+            return repr(exc).encode()
+        finally:
+            writer.close()

@@ -61,15 +61,9 @@ from replystream.engine.upstream_relay_types import (
 )
 from replystream.engine.upstream_request import stops_sent
 from replystream.engine.upstream_slots import SharedLimits
+from replystream.stalls import LOOK_AGAIN_S, fired_late
 
 log = logging.getLogger("replystream.upstream")
-
-# A watchdog's timer that fires this much past its time says this process did not run
-# meanwhile (stopped, a VM frozen, its CPU starved): the upstream's text may be waiting in the
-# socket, unread. It looks again ``STALLED_LOOK_S`` later, once the loop has read it, rather
-# than call the upstream stalled for the relay's own pause.
-LOOP_STALL_S = 1.0
-STALLED_LOOK_S = 0.25
 
 
 def _completes_stop(scan: StopScan, delta: Delta) -> bool:
@@ -458,11 +452,10 @@ class RelayedReply(AttemptSeries):
     def _check(self) -> None:
         self._timer = None
         now = time.monotonic()
-        if now - self._check_at > LOOP_STALL_S:
-            # Due long ago: this process was stalled (stopped, frozen, starved), not the
-            # upstream, whose text may wait in the socket unread; looked at again once the
-            # loop has had turns to read it.
-            self._arm(STALLED_LOOK_S)
+        if fired_late(self._check_at, now):
+            # This process was stalled (stopped, frozen, starved), not the upstream, whose
+            # text may wait in the socket unread: looked at again once the loop has read it.
+            self._arm(LOOK_AGAIN_S)
             return
         stream = self._stream  # its upstream's thinking counts as progress, as text does
         progress = self._text_at if stream is None else max(self._text_at, stream.thought_at)

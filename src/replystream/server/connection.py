@@ -43,6 +43,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from replystream.server.accepting import BatchAcceptingServer
 from replystream.server.access_log import log_refused
 from replystream.server.errors import error_response, in_route_shape
+from replystream.stalls import LOOK_AGAIN_S, fired_late
 
 log = logging.getLogger("replystream.server")
 
@@ -198,6 +199,7 @@ class HeaderDeadlines:
         self.timeout_s = timeout_s
         self._due: collections.deque[tuple[float, Connection]] = collections.deque()
         self._timer: asyncio.TimerHandle | None = None
+        self._swept_at = 0.0  # when the timer is due
 
     def arm(self, connection: Connection) -> None:
         loop = asyncio.get_running_loop()
@@ -205,13 +207,22 @@ class HeaderDeadlines:
         connection.header_deadline = deadline
         self._due.append((deadline, connection))
         if self._timer is None:
-            self._timer = loop.call_at(deadline, self._sweep)
+            self._sweep_at(loop, deadline)
+
+    def _sweep_at(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        self._swept_at = when
+        self._timer = loop.call_at(when, self._sweep)
 
     def _sweep(self) -> None:
         """Close the connections whose headers are overdue."""
         self._timer = None
         loop = asyncio.get_running_loop()
         due, now = self._due, loop.time()
+        if fired_late(self._swept_at, now):
+            # This process did not run (stopped, frozen): headers sent meanwhile are still
+            # unread. Looked at again once the loop has read them.
+            self._sweep_at(loop, now + LOOK_AGAIN_S)
+            return
         while due and due[0][0] <= now:
             deadline, connection = due.popleft()
             if connection.header_deadline == deadline:
@@ -221,7 +232,7 @@ class HeaderDeadlines:
                     log.info("closed a connection whose request headers took too long")
                     transport.close()
         if due:
-            self._timer = loop.call_at(due[0][0], self._sweep)
+            self._sweep_at(loop, due[0][0])
 
     def close(self) -> None:
         if self._timer is not None:
@@ -260,6 +271,16 @@ class Connection(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._deadlines.arm(self)
+
+    def _process_keepalive(self) -> None:
+        """aiohttp's idle timeout, unless it fired long past its time: this process did not
+        run meanwhile (stopped, frozen), and the request the client sent then is still
+        unread; closed now, it would be lost. Looked at again once the loop has read it."""
+        loop = self._loop
+        if fired_late(self._next_keepalive_close_time, loop.time()):
+            self._keepalive_handle = loop.call_later(LOOK_AGAIN_S, super()._process_keepalive)
+            return
+        super()._process_keepalive()
 
     def data_received(self, data: bytes) -> None:
         # Between requests, the first byte of the next one starts its header deadline. Bytes
