@@ -133,6 +133,9 @@ async def test_a_response_told_failed_while_its_producer_was_paused_never_comple
     for answer in after:
         assert answer["status"] == "failed", answer["status"]
         assert our_code(answer["error"]) == "generator_lost"
+    # The same response on either replica: its producer's own replica does not answer from
+    # its copy, which holds what it made before it heard (Redis took none of it).
+    assert after[0]["output"] == after[1]["output"]
 
 
 async def test_a_producer_back_after_its_reply_was_found_lost_writes_no_more_and_is_stopped(

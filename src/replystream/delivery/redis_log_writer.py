@@ -170,6 +170,7 @@ class LogWriter:
         for reply_id in [r for r in failures if r not in self.tables.live]:
             if self.local._log(reply_id) is None:  # expired copies go here and now
                 del failures[reply_id]
+                self.tables.lost.discard(reply_id)
 
     def stop(self, reply_id: str) -> None:
         """Stop a reply's producer, if this store has been told how."""
@@ -183,6 +184,7 @@ class LogWriter:
         stops, its readers here told the same."""
         tables = self.tables
         tables.failures[reply_id] = "its producer was found lost on another replica"
+        tables.lost.add(reply_id)
         tables.pending.pop(reply_id, None)
         tables.endings.pop(reply_id, None)
         tables.dirty.discard(reply_id)

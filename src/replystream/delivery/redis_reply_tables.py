@@ -23,6 +23,7 @@ class ReplyTables:
         "failures",
         "live",
         "logged",
+        "lost",
         "next_seq",
         "pending",
         "read_elsewhere",
@@ -40,6 +41,10 @@ class ReplyTables:
         # (a repair too would fail, or write what Redis refused). Kept until the reply has
         # ended and its copy here is gone (``LogWriter.prune``).
         self.failures: dict[str, str] = {}
+        # Replies produced here that a reader elsewhere found lost (this process stalled):
+        # Redis, which took nothing after that, answers their new readers, not the copy
+        # here. Kept as long as their failure is.
+        self.lost: set[str] = set()
         # Replies produced here: when the heartbeat last found a reader's mark from elsewhere.
         self.read_elsewhere: dict[str, float] = {}
         self.logged: dict[str, int] = {}  # bytes sent to Redis per live reply: entries' offsets
@@ -58,6 +63,7 @@ class ReplyTables:
         self.endings.pop(reply_id, None)
         self.next_seq.pop(reply_id, None)
         self.failures.pop(reply_id, None)
+        self.lost.discard(reply_id)
         self.logged.pop(reply_id, None)
         self.expire_due.pop(reply_id, None)
         self.read_elsewhere.pop(reply_id, None)

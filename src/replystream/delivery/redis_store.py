@@ -197,13 +197,22 @@ class RedisReplayStore:
         local = await self._local.gone(reply_id)
         return local if local is not None else await self.reads.gone(reply_id)
 
+    async def _copy_serves(self, reply_id: str) -> bool:
+        """Whether this process's copy answers a new read of a reply: it is there, and the
+        reply was not found lost elsewhere while this process stalled (its copy may hold
+        what it made before it heard, which Redis refused: a new reader here is told what
+        readers everywhere are)."""
+        return (
+            reply_id not in self.writer.tables.lost and await self._local.info(reply_id) is not None
+        )
+
     async def tail(self, reply_id: str) -> LogTail | None:
-        if await self._local.info(reply_id) is not None:
+        if await self._copy_serves(reply_id):
             return await self._local.tail(reply_id)
         return await self.reads.tail(reply_id)
 
     async def read(self, reply_id: str, after: int, wait_s: float) -> ReadResult | None:
-        if await self._local.info(reply_id) is not None:
+        if await self._copy_serves(reply_id):
             return await self._local.read(reply_id, after, wait_s)
         result, _ = await self.reads.look(reply_id, after, wait_s)
         return result
@@ -238,8 +247,8 @@ class RedisReplayStore:
         return self.writer.tables.read_elsewhere.get(reply_id)
 
     def cursor(self, reply_id: str, after: int) -> LogCursor:
-        if reply_id in self._local._logs:  # produced here: read (and measured) locally
-            return self._local.cursor(reply_id, after)
+        if reply_id in self._local._logs and reply_id not in self.writer.tables.lost:
+            return self._local.cursor(reply_id, after)  # produced here: read locally
         return RemoteCursor(self, reply_id, after)
 
     # Cancels, deletes, and forgetting.
