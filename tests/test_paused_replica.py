@@ -24,12 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 from redis.asyncio import Redis
 
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.redis_writes import LOST_SCRIPT
 from replystream.delivery.replay import LogEntry, ReplyInfo
+from replystream.server import running
 from replystream.sse import Event, EventParser
+from tests.chat_upstream import ChatUpstream, reply_with
 from tests.conftest import our_code
 from tests.processes import replica, start_server, stop
 from tests.redis_server import redis_server
@@ -274,3 +277,30 @@ async def answer_across_a_pause(case: str) -> bytes:
             return repr(exc).encode()
         finally:
             writer.close()
+
+
+class SlowToAnswer(ChatUpstream):
+    """Sends its response head a second after each chat, then one word."""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(1.0)
+        return await reply_with(request, "sunny")
+
+
+async def test_a_relay_paused_while_its_upstream_answered_takes_the_answer_once_it_is_back():
+    # The upstream's head comes a second after the request, while the relay's process is
+    # stopped for three; its head timeout, two seconds, fell due meanwhile.
+    async with running(SlowToAnswer().app()) as upstream_url:
+        relay_args = ("--engine", f"upstream:{upstream_url}/v1", "--upstream-timeout-s", "2")
+        async with replica(*relay_args) as (relay, relay_url), aiohttp.ClientSession() as http:
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+            asked = asyncio.create_task(http.post(f"{relay_url}/v1/chat/completions", json=body))
+            await asyncio.sleep(0.3)
+            relay.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(3.0)
+            relay.send_signal(signal.SIGCONT)
+            async with asyncio.timeout(15):
+                answer = await asked
+                said = await answer.json()
+    assert answer.status == 200, said
+    assert said["choices"][0]["message"]["content"] == "sunny"

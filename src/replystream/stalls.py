@@ -17,7 +17,8 @@ This file knows no sockets, HTTP or replies; the loop is passed in.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 # Far more than a loop turn of a busy server, far less than any deadline worth a pause.
 LATE_S = 1.0
@@ -52,3 +53,20 @@ class Deadline:
 
     def cancel(self) -> None:
         self._handle.cancel()
+
+
+@contextlib.asynccontextmanager
+async def timeout(delay_s: float) -> AsyncIterator[None]:
+    """``asyncio.timeout(delay_s)``, judged by a ``Deadline``: a wait whose answer came while
+    this process stood still is not cut before the loop has read it.
+
+    Raises:
+        TimeoutError: the body did not end within ``delay_s`` seconds of the process's time.
+    """
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(None) as overdue:
+        deadline = Deadline(loop, loop.time() + delay_s, lambda: overdue.reschedule(0))
+        try:
+            yield
+        finally:
+            deadline.cancel()

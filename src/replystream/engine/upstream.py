@@ -30,6 +30,7 @@ from typing import Any
 
 from pydantic_core import to_json
 
+from replystream import stalls
 from replystream.engine.base import (
     READY,
     Caller,
@@ -419,7 +420,9 @@ class UpstreamEngine:
                 status=401,
             )
         try:
-            async with asyncio.timeout(within_s):
+            # Back from a stall of this process (stopped, frozen), a head that came
+            # meanwhile is read before the wait is judged too long.
+            async with stalls.timeout(within_s):
                 headers = self._headers(backend, key, accept)
                 if caller.request_id:  # our access log's name for it, in the upstream's log
                     headers["X-Request-Id"] = caller.request_id

@@ -24,10 +24,10 @@ from functools import partial
 
 from aiohttp import web
 
+from replystream import stalls
 from replystream.server.auth import OWNER
 from replystream.server.errors import HTTPAPIError, error_response
 from replystream.server.guard_config import GuardConfig, Network
-from replystream.stalls import Deadline
 
 LIMITED_PREFIXES = ("/v1/", "/wait", "/stream")
 # Requests that stop what a client runs, or read a stored response once: each is answered at
@@ -388,16 +388,11 @@ async def read_body(request: web.Request) -> bytes:
             close_connection=True,  # the body is left unread
         )
     timeout = request.app[GUARD_KEY].body_timeout_s
-    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(None) as overdue:
-            # Judged by a ``Deadline``, not the timeout's own timer: back from a stall of
-            # this process (stopped, frozen), the body that came meanwhile is read first.
-            deadline = Deadline(loop, loop.time() + timeout, lambda: overdue.reschedule(0))
-            try:
-                return await request.read()
-            finally:
-                deadline.cancel()
+        # Back from a stall of this process (stopped, frozen), the body that came meanwhile
+        # is read before it is judged late.
+        async with stalls.timeout(timeout):
+            return await request.read()
     except TimeoutError:
         raise HTTPAPIError(
             408,
