@@ -10,7 +10,9 @@ upstream that went on sending called stalled.
 
 A timer that fires more than ``LATE_S`` past its time says this process did not run: the
 deadline is looked at again ``LOOK_AGAIN_S`` later, once the loop has read what came, and
-judged then. A deadline missed by its peer alone fires on time, and is judged at once.
+judged then, late or not (a loop behind by seconds all the time, overloaded, must still
+judge its deadlines: put off once, never twice in a row). A deadline missed by its peer
+alone fires on time, and is judged at once.
 This file knows no sockets, HTTP or replies; the loop is passed in.
 """
 
@@ -33,7 +35,8 @@ def fired_late(due: float, now: float) -> bool:
 
 class Deadline:
     """Calls ``call`` at loop time ``when``; a timer held up past it by this process's own
-    stall looks again ``LOOK_AGAIN_S`` later (``fired_late``). Cancelled, calls nothing."""
+    stall looks again ``LOOK_AGAIN_S`` later (``fired_late``), once. Cancelled, calls
+    nothing."""
 
     __slots__ = ("_call", "_due", "_handle", "_loop")
 
@@ -47,7 +50,7 @@ class Deadline:
         now = self._loop.time()
         if fired_late(self._due, now):
             self._due = now + LOOK_AGAIN_S
-            self._handle = self._loop.call_at(self._due, self._fire)
+            self._handle = self._loop.call_at(self._due, self._call)
             return
         self._call()
 

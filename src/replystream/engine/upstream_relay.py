@@ -97,6 +97,7 @@ class RelayedReply(AttemptSeries):
         "_done",
         "_held",
         "_limit",
+        "_looked_again",
         "_loop",
         "_opening",
         "_overdue",
@@ -152,6 +153,7 @@ class RelayedReply(AttemptSeries):
         self._loop = asyncio.get_running_loop()  # made by the engine's ``start``
         self._text_at = 0.0
         self._check_at = 0.0  # when the watchdog's timer is due (``_arm``)
+        self._looked_again = False  # its timer was put off for this process's own stall
         self._limit = limits.ttft_s
         self._waiter: asyncio.Task[object] | None = None
         self._overdue = False
@@ -452,11 +454,14 @@ class RelayedReply(AttemptSeries):
     def _check(self) -> None:
         self._timer = None
         now = time.monotonic()
-        if fired_late(self._check_at, now):
+        if fired_late(self._check_at, now) and not self._looked_again:
             # This process was stalled (stopped, frozen, starved), not the upstream, whose
-            # text may wait in the socket unread: looked at again once the loop has read it.
+            # text may wait in the socket unread: looked at again once the loop has read it
+            # (once: a loop always behind must still judge a stall).
             self._arm(LOOK_AGAIN_S)
+            self._looked_again = True
             return
+        self._looked_again = False
         stream = self._stream  # its upstream's thinking counts as progress, as text does
         progress = self._text_at if stream is None else max(self._text_at, stream.thought_at)
         due = progress + self._limit

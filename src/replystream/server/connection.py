@@ -200,6 +200,7 @@ class HeaderDeadlines:
         self._due: collections.deque[tuple[float, Connection]] = collections.deque()
         self._timer: asyncio.TimerHandle | None = None
         self._swept_at = 0.0  # when the timer is due
+        self._looked_again = False  # the timer was put off for this process's own stall
 
     def arm(self, connection: Connection) -> None:
         loop = asyncio.get_running_loop()
@@ -218,11 +219,14 @@ class HeaderDeadlines:
         self._timer = None
         loop = asyncio.get_running_loop()
         due, now = self._due, loop.time()
-        if fired_late(self._swept_at, now):
+        if fired_late(self._swept_at, now) and not self._looked_again:
             # This process did not run (stopped, frozen): headers sent meanwhile are still
-            # unread. Looked at again once the loop has read them.
+            # unread. Looked at again once the loop has read them (once: a loop always
+            # behind must still close the connections that are late).
+            self._looked_again = True
             self._sweep_at(loop, now + LOOK_AGAIN_S)
             return
+        self._looked_again = False
         while due and due[0][0] <= now:
             deadline, connection = due.popleft()
             if connection.header_deadline == deadline:
