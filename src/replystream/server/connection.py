@@ -43,7 +43,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from replystream.server.accepting import BatchAcceptingServer
 from replystream.server.access_log import log_refused
 from replystream.server.errors import error_response, in_route_shape
-from replystream.stalls import LOOK_AGAIN_S, fired_late
+from replystream.stalls import LOOK_AGAIN_S, Deadline, fired_late
 
 log = logging.getLogger("replystream.server")
 
@@ -198,9 +198,9 @@ class HeaderDeadlines:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._due: collections.deque[tuple[float, Connection]] = collections.deque()
-        self._timer: asyncio.TimerHandle | None = None
-        self._swept_at = 0.0  # when the timer is due
-        self._looked_again = False  # the timer was put off for this process's own stall
+        # Put off once if this process itself stood still: headers sent meanwhile are read
+        # before they are judged late (``stalls.Deadline``).
+        self._timer: Deadline | None = None
 
     def arm(self, connection: Connection) -> None:
         loop = asyncio.get_running_loop()
@@ -208,25 +208,13 @@ class HeaderDeadlines:
         connection.header_deadline = deadline
         self._due.append((deadline, connection))
         if self._timer is None:
-            self._sweep_at(loop, deadline)
-
-    def _sweep_at(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
-        self._swept_at = when
-        self._timer = loop.call_at(when, self._sweep)
+            self._timer = Deadline(loop, deadline, self._sweep)
 
     def _sweep(self) -> None:
         """Close the connections whose headers are overdue."""
         self._timer = None
         loop = asyncio.get_running_loop()
         due, now = self._due, loop.time()
-        if fired_late(self._swept_at, now) and not self._looked_again:
-            # This process did not run (stopped, frozen): headers sent meanwhile are still
-            # unread. Looked at again once the loop has read them (once: a loop always
-            # behind must still close the connections that are late).
-            self._looked_again = True
-            self._sweep_at(loop, now + LOOK_AGAIN_S)
-            return
-        self._looked_again = False
         while due and due[0][0] <= now:
             deadline, connection = due.popleft()
             if connection.header_deadline == deadline:
@@ -236,7 +224,7 @@ class HeaderDeadlines:
                     log.info("closed a connection whose request headers took too long")
                     transport.close()
         if due:
-            self._sweep_at(loop, due[0][0])
+            self._timer = Deadline(loop, due[0][0], self._sweep)
 
     def close(self) -> None:
         if self._timer is not None:
